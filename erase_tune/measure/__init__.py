@@ -1,0 +1,39 @@
+"""Measurement: interleaved device-side step timing, QPS statistics, stream overlap, provenance.
+
+These numbers are the product (DESIGN.md, "Measurement rules"): baseline and candidate are
+timed in the same process, alternating in windows; throughput is reported as p90 and median
+per-step QPS with its spread over windows; every figure carries its provenance.
+"""
+
+from erase_tune.measure.overlap import (
+    KernelInterval,
+    OverlapReport,
+    kernel_intervals_from_trace,
+    merge_intervals,
+    overlap_report,
+    profile_steps,
+)
+from erase_tune.measure.provenance import provenance
+from erase_tune.measure.stats import QpsSummary, RatioSpread, WindowedSamples, gain, per_step_qps, qps_summary, ratio_spread
+from erase_tune.measure.timing import InterleavedTimings, StepRunner, Timings, time_interleaved
+
+__all__ = [
+    "InterleavedTimings",
+    "KernelInterval",
+    "OverlapReport",
+    "QpsSummary",
+    "RatioSpread",
+    "StepRunner",
+    "Timings",
+    "WindowedSamples",
+    "gain",
+    "kernel_intervals_from_trace",
+    "merge_intervals",
+    "overlap_report",
+    "per_step_qps",
+    "profile_steps",
+    "provenance",
+    "qps_summary",
+    "ratio_spread",
+    "time_interleaved",
+]

@@ -1,0 +1,128 @@
+"""Alembic, driven from code: find the migration scripts, upgrade, downgrade, check.
+
+The scripts live in the repository's top-level ``alembic/`` directory and are installed
+into the wheel as ``erase_tune/_alembic``, so ``erase-tune db upgrade`` works from an
+installed package with no ``alembic.ini`` anywhere. Alembic is configured here in code; the
+engine's connection is handed to ``env.py`` through ``Config.attributes``, so the URL (and
+its password) never goes through Alembic's config parser or its log.
+
+Our revisions are recorded in their own version table (``erase_tune_alembic_version``):
+Optuna keeps its schema version in ``alembic_version`` in the same database.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from collections.abc import Iterator
+from importlib import resources
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Connection, Engine
+
+from erase_tune.errors import EraseTuneError
+from erase_tune.store.models import VERSION_TABLE
+
+__all__ = ["SchemaError", "scripts_dir", "alembic_config", "head_revision", "current_revision",
+           "upgrade", "downgrade", "check_schema", "upgrade_sql"]
+
+
+class SchemaError(EraseTuneError):
+    """The database's erase-tune tables are not at the revision this erase-tune needs."""
+
+
+def scripts_dir() -> Path:
+    """The Alembic scripts: inside the installed package if shipped there, else the repo's."""
+    shipped = resources.files("erase_tune") / "_alembic"
+    if shipped.is_dir() and isinstance(shipped, Path):
+        return shipped
+    repo = Path(__file__).resolve().parents[2] / "alembic"
+    if (repo / "env.py").is_file():
+        return repo
+    raise EraseTuneError(
+        "erase-tune's database migrations are missing from this installation "
+        f"(looked in erase_tune/_alembic and {repo}): reinstall erase-tune"
+    )
+
+
+def alembic_config(connection: Connection | None = None, *, url: str | None = None,
+                   stdout: io.TextIOBase | None = None) -> Config:
+    """A Config built in code. ``connection`` (online) or ``url`` (offline SQL) go through
+    ``attributes``, never through the ini parser, which would also choke on a ``%``."""
+    cfg = Config(stdout=stdout or io.StringIO())
+    cfg.set_main_option("script_location", str(scripts_dir()))
+    cfg.set_main_option("path_separator", "os")
+    cfg.attributes["connection"] = connection
+    cfg.attributes["url"] = url
+    # env.py must not reconfigure the caller's logging (it would, from an ini file).
+    cfg.attributes["configure_logger"] = False
+    return cfg
+
+
+def head_revision() -> str:
+    """The revision this erase-tune's code expects."""
+    heads = ScriptDirectory.from_config(alembic_config()).get_heads()
+    if len(heads) != 1:
+        raise EraseTuneError(f"erase-tune's migrations have {len(heads)} heads ({', '.join(heads)}): a packaging bug")
+    return heads[0]
+
+
+def _known_revisions() -> set[str]:
+    return {s.revision for s in ScriptDirectory.from_config(alembic_config()).walk_revisions()}
+
+
+def current_revision(connection: Connection) -> str | None:
+    """The revision recorded in the database; None for a database never upgraded (or at base)."""
+    ctx = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
+    return ctx.get_current_revision()
+
+
+@contextlib.contextmanager
+def _migration_connection(engine: Engine) -> Iterator[Connection]:
+    # One transaction for the whole run: PostgreSQL (and SQLite, with the BEGIN handling
+    # in engine.py) then roll a failed migration back completely.
+    with engine.connect() as conn:
+        conn = conn.execution_options(erase_tune_write=True)
+        with conn.begin():
+            yield conn
+
+
+def upgrade(engine: Engine, revision: str = "head") -> None:
+    with _migration_connection(engine) as conn:
+        command.upgrade(alembic_config(conn), revision)
+
+
+def downgrade(engine: Engine, revision: str = "base") -> None:
+    with _migration_connection(engine) as conn:
+        command.downgrade(alembic_config(conn), revision)
+
+
+def upgrade_sql(url: str, revision: str = "head") -> str:
+    """The SQL an upgrade would run (Alembic's offline mode), for a DBA to review."""
+    out = io.StringIO()
+    command.upgrade(alembic_config(url=url, stdout=out), revision, sql=True)
+    return out.getvalue()
+
+
+def check_schema(connection: Connection, shown_url: str) -> None:
+    """Raise :class:`SchemaError` unless the database is exactly at our head revision.
+
+    ``shown_url`` is the already redacted URL to put in the advice.
+    """
+    current, head = current_revision(connection), head_revision()
+    if current == head:
+        return
+    if current is not None and current not in _known_revisions():
+        raise SchemaError(
+            f"database at revision {current}, which this erase-tune does not know (it needs {head}): "
+            "the database was upgraded by a newer erase-tune; upgrade erase-tune"
+        )
+    shown = current if current is not None else "none (erase-tune tables not created)"
+    raise SchemaError(
+        f"database at revision {shown}, erase-tune needs {head}: "
+        f"run `erase-tune db upgrade --storage {shown_url}`"
+    )

@@ -1,0 +1,189 @@
+"""ORM tables for erase-tune's own data (jobs, trial measurements, baseline cache, exports).
+
+These tables live in the same database as Optuna's, so every name carries the ``et_`` prefix
+and Alembic is told (``include_name``/``include_object`` below) to look at nothing else:
+Optuna creates and migrates its own tables, and an autogenerate run or a downgrade here
+must never propose to touch them.
+
+The rows defined here never leave :mod:`erase_tune.store`; callers get the frozen value
+objects of :mod:`erase_tune.store.repo`. Schema changes go through a new Alembic revision
+in the top-level ``alembic/versions/`` directory; a test checks that the models and the
+migrations agree.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    CheckConstraint,
+    DateTime,
+    Dialect,
+    Float,
+    ForeignKey,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+__all__ = [
+    "TABLE_PREFIX",
+    "VERSION_TABLE",
+    "JOB_STATUSES",
+    "TRIAL_STATUSES",
+    "Base",
+    "JobRow",
+    "TrialMeasurementRow",
+    "BaselineRow",
+    "ExportRow",
+    "include_name",
+    "include_object",
+]
+
+TABLE_PREFIX = "et_"
+VERSION_TABLE = "erase_tune_alembic_version"
+"""Alembic's bookkeeping table for our revisions. Optuna keeps its own ``alembic_version``
+in the same database, so ours must have a different name."""
+
+JOB_STATUSES = ("running", "finished", "failed", "interrupted")
+TRIAL_STATUSES = ("complete", "failed", "pruned")
+
+# Deterministic constraint names: Alembic can only drop or alter a constraint it can name,
+# and SQLite's batch mode needs the names to rebuild a table.
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+# jsonb on PostgreSQL (indexable, compact); plain JSON text elsewhere.
+JSONType = JSON().with_variant(JSONB(), "postgresql")
+
+
+class UTCDateTime(TypeDecorator[dt.datetime]):
+    """A timezone-aware UTC datetime on every backend.
+
+    PostgreSQL's ``timestamptz`` keeps the zone; SQLite has no zone type, so values are
+    stored as naive UTC there and the zone is put back on the way out. Callers always see
+    aware UTC datetimes, whatever the database.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: dt.datetime | None, dialect: Dialect) -> dt.datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime given to the store; pass an aware (UTC) datetime")
+        value = value.astimezone(dt.timezone.utc)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: dt.datetime | None, dialect: Dialect) -> dt.datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=dt.timezone.utc)
+        return value.astimezone(dt.timezone.utc)
+
+
+def _in(column: str, values: tuple[str, ...]) -> str:
+    return f"{column} IN ({', '.join(repr(v) for v in values)})"
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {dict[str, Any]: JSONType, dt.datetime: UTCDateTime}
+
+
+class JobRow(Base):
+    """One tuning job: an Optuna study plus what erase-tune needs to resume and report it."""
+
+    __tablename__ = "et_jobs"
+    __table_args__ = (CheckConstraint(_in("status", JOB_STATUSES), name="status"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    study_name: Mapped[str] = mapped_column(String(512), unique=True)
+    space_path: Mapped[str] = mapped_column(Text)
+    # The space file exactly as given, so a job can be resumed or audited after the file moved.
+    space_yaml: Mapped[str] = mapped_column(Text)
+    workload: Mapped[str] = mapped_column(String(512))
+    settings: Mapped[dict[str, Any]]
+    status: Mapped[str] = mapped_column(String(16))
+    n_trials_target: Mapped[int | None] = mapped_column(Integer)
+    error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[dt.datetime]
+    updated_at: Mapped[dt.datetime]
+    finished_at: Mapped[dt.datetime | None]
+
+
+class TrialMeasurementRow(Base):
+    """What one Optuna trial measured; the study keeps only the objective values."""
+
+    __tablename__ = "et_trial_measurements"
+    __table_args__ = (
+        # A retried trial updates its row instead of adding one (see Store.record_trial).
+        UniqueConstraint("job_id", "optuna_trial_number"),
+        CheckConstraint(_in("status", TRIAL_STATUSES), name="status"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("et_jobs.id", ondelete="CASCADE"))
+    optuna_trial_number: Mapped[int] = mapped_column(Integer)
+    plan_yaml: Mapped[str] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(String(16))
+    failure_reason: Mapped[str | None] = mapped_column(Text)
+    metrics: Mapped[dict[str, Any]]
+    samples: Mapped[dict[str, Any]]
+    device: Mapped[str | None] = mapped_column(String(256))
+    ray_node: Mapped[str | None] = mapped_column(String(256))
+    duration_s: Mapped[float | None] = mapped_column(Float)
+    created_at: Mapped[dt.datetime]
+
+
+class BaselineRow(Base):
+    """A measured eager baseline, reused by trials with the same workload, args and device."""
+
+    __tablename__ = "et_baseline_cache"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    key: Mapped[str] = mapped_column(String(64), unique=True)
+    metrics: Mapped[dict[str, Any]]
+    samples: Mapped[dict[str, Any]]
+    created_at: Mapped[dt.datetime]
+
+
+class ExportRow(Base):
+    """A plan file written by ``erase-tune export``, with the plan text as it was written."""
+
+    __tablename__ = "et_exports"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("et_jobs.id", ondelete="CASCADE"), index=True)
+    optuna_trial_number: Mapped[int] = mapped_column(Integer)
+    path: Mapped[str] = mapped_column(Text)
+    plan_yaml: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[dt.datetime]
+
+
+def include_name(name: str | None, type_: str, parent_names: Any) -> bool:
+    """Alembic reflection filter: look only at our tables, never at Optuna's (or anyone's)."""
+    if type_ == "table":
+        return bool(name) and name.startswith(TABLE_PREFIX)
+    return True
+
+
+def include_object(obj: Any, name: str | None, type_: str, reflected: bool, compare_to: Any) -> bool:
+    """Alembic autogenerate filter; the second guard behind :func:`include_name`."""
+    if type_ == "table":
+        return bool(name) and name.startswith(TABLE_PREFIX)
+    return True
