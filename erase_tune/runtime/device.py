@@ -98,9 +98,10 @@ def wait_event(stream, event) -> None:
 def record_stream(tensors: Iterator[torch.Tensor], stream, device: torch.device) -> None:
     """Tell the caching allocator that ``stream`` uses these tensors (they crossed streams).
 
-    Skipped under graph capture: graph-pool memory is held by the graph itself.
+    Also needed under graph capture: the allocator then defers reusing such a block until
+    the capture ends, so a side stream's read in the graph cannot race a later write.
     """
-    if stream is None or is_capturing(device):
+    if stream is None:
         return
     for t in tensors:
         if t.is_cuda:

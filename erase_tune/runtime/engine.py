@@ -107,6 +107,9 @@ class _CutRunner:
             )
         return self.cut.aux_weight * self.engine.loss_fn(self.head(out), target)
 
+    def __deepcopy__(self, memo: dict) -> Any:
+        return _unpatched_copy(self.modules[0], memo)
+
     # -- the patched forward -----------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -243,7 +246,7 @@ class EraseEngine:
             first.forward = runner  # instance attribute shadows the class's forward
             self._patched.append(first)
             for m in rest:
-                m.forward = _passthrough
+                m.forward = _Passthrough(m)
                 self._patched.append(m)
 
     # -- public API ------------------------------------------------------------------------------
@@ -437,9 +440,24 @@ def _backward_on(aux: Tensor, stream) -> None:
         aux.backward()
 
 
-def _passthrough(x: Any, *args: Any, **kwargs: Any) -> Any:
+class _Passthrough:
     """Forward of a later block of a run: the run's first block already applied it."""
-    return x
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        return x
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        return _unpatched_copy(self.module, memo)
+
+
+def _unpatched_copy(module: nn.Module, memo: dict) -> Any:
+    # A deep copy of a model with an engine attached is a plain model: its copied modules get
+    # their class's own forward back (copy.deepcopy registers the copy in memo before its state).
+    copied = memo.get(id(module), module)
+    return type(copied).forward.__get__(copied)
 
 
 def _keep_output(store: dict[str, Tensor], name: str, module: nn.Module, args: Any, output: Any) -> None:

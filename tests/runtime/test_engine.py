@@ -167,3 +167,17 @@ def test_bad_plans_for_the_model():
     with pytest.raises(PlanError, match="pass make_head"):
         EraseEngine(model, ErasePlan(cuts=(Cut(module="towers.0"),)), loss_fn=loss_fn, example=(inputs, target),
                     make_head=lambda name, out, model_out: torch.nn.Linear(out.shape[-1], 3))
+
+
+def test_deepcopy_of_an_attached_model_is_a_plain_model():
+    torch.manual_seed(0)
+    model = Toy()
+    inputs, target = toy_batch()
+    engine = EraseEngine(model, ErasePlan(cuts=CUTS, num_streams=2), loss_fn=loss_fn, example=(inputs, target))
+    clone = copy.deepcopy(model)
+    with torch.no_grad():
+        assert torch.equal(clone(*inputs), model(*inputs))
+    # the clone trains like an unattached model: gradients flow through every tower and block
+    loss_fn(clone(*inputs), target).backward()
+    assert clone.towers[0][0].weight.grad is not None and clone.embed.weight.grad.abs().sum() > 0
+    engine.close()
