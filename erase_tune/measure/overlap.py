@@ -112,7 +112,7 @@ def kernel_intervals_from_trace(
         try:
             start = float(event["ts"])
             duration = float(event["dur"])
-            # args.stream is the documented field; tid holds the same id in Kineto traces.
+            # Kineto writes the stream in args.stream and again as the tid; older traces may lack args.
             stream = int(args["stream"] if "stream" in args else event["tid"])
             event_device = int(args.get("device", event.get("pid", 0)))
         except (KeyError, TypeError, ValueError) as err:

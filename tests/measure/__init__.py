@@ -1,0 +1,1 @@
+"""Tests for erase_tune.measure."""

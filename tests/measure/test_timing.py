@@ -1,0 +1,111 @@
+"""Tests for interleaved step timing: call order, step indices, window labels, the clock."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from erase_tune.measure import Timings, time_interleaved
+
+
+def _recording_runners(names, calls):
+    def make(name):
+        return lambda i: calls.append((name, i))
+
+    return {name: make(name) for name in names}
+
+
+def test_runs_each_runner_with_the_same_steps_in_rotated_order():
+    calls = []
+    result = time_interleaved(
+        _recording_runners("AB", calls), device=torch.device("cpu"), warmup_steps=2, windows=3, window_steps=2, start_step=5
+    )
+    assert calls == [
+        # warm-up: A then B
+        ("A", 5), ("A", 6), ("B", 5), ("B", 6),
+        # round 0: A B; round 1: B A; round 2: A B
+        ("A", 7), ("A", 8), ("B", 7), ("B", 8),
+        ("B", 9), ("B", 10), ("A", 9), ("A", 10),
+        ("A", 11), ("A", 12), ("B", 11), ("B", 12),
+    ]  # fmt: skip
+    assert result.steps_run == 2 + 3 * 2
+    assert result.next_step == 5 + 8
+    assert result.clock == "perf_counter"
+    for name in "AB":
+        assert len(result.variants[name].steps_s) == 6
+        assert result.variants[name].window == (0, 0, 1, 1, 2, 2)
+        assert all(t >= 0 for t in result.variants[name].steps_s)
+
+
+def test_three_runners_rotate_so_each_goes_first_once():
+    calls = []
+    time_interleaved(_recording_runners("ABC", calls), device=torch.device("cpu"), warmup_steps=0, windows=3, window_steps=1)
+    assert [name for name, _ in calls] == list("ABC" "BCA" "CAB")
+    for name in "ABC":
+        assert [i for n, i in calls if n == name] == [0, 1, 2]
+
+
+def test_slower_runner_measures_slower():
+    runners = {"slow": lambda i: time.sleep(0.002), "fast": lambda i: None}
+    result = time_interleaved(runners, device=torch.device("cpu"), warmup_steps=1, windows=2, window_steps=3)
+    slow = sorted(result.variants["slow"].steps_s)
+    fast = sorted(result.variants["fast"].steps_s)
+    assert slow[0] >= 0.0019  # time.sleep never returns early
+    assert fast[len(fast) // 2] < slow[len(slow) // 2] / 2
+
+
+def test_to_dict_keeps_raw_samples():
+    result = time_interleaved({"A": lambda i: None}, device="cpu", warmup_steps=0, windows=2, window_steps=2)
+    raw = result.to_dict()
+    assert raw["variants"]["A"]["window"] == [0, 0, 1, 1]
+    assert raw["variants"]["A"]["steps_s"] == list(result.variants["A"].steps_s)
+    assert raw["steps_run"] == 4
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"warmup_steps": -1},
+        {"windows": 0},
+        {"window_steps": 0},
+        {"window_steps": 1.5},
+        {"start_step": -2},
+        {"windows": True},
+    ],
+)
+def test_rejects_bad_counts(kwargs):
+    args = {"warmup_steps": 0, "windows": 1, "window_steps": 1} | kwargs
+    with pytest.raises(ValueError):
+        time_interleaved({"A": lambda i: None}, device=torch.device("cpu"), **args)
+
+
+def test_rejects_no_runners_and_unsupported_device():
+    with pytest.raises(ValueError, match="at least one runner"):
+        time_interleaved({}, device=torch.device("cpu"), warmup_steps=0, windows=1, window_steps=1)
+    with pytest.raises(ValueError, match="not supported"):
+        time_interleaved({"A": lambda i: None}, device=torch.device("meta"), warmup_steps=0, windows=1, window_steps=1)
+
+
+def test_timings_checks_lengths():
+    with pytest.raises(ValueError, match="labels"):
+        Timings(steps_s=(1.0, 2.0), window=(0,))
+
+
+@pytest.mark.gpu
+def test_cuda_events_time_device_work_not_host_launches():
+    device = torch.device("cuda")
+    # torch.cuda._sleep spins one GPU thread for N cycles and returns to the host at once:
+    # a host clock would see ~0 s, device events see the spin.
+    runners = {"spin": lambda i: torch.cuda._sleep(5_000_000), "idle": lambda i: None}
+    start = time.perf_counter()
+    result = time_interleaved(runners, device=device, warmup_steps=1, windows=2, window_steps=4)
+    elapsed = time.perf_counter() - start
+    assert result.clock == "cuda_event"
+    spin = sorted(result.variants["spin"].steps_s)
+    idle = sorted(result.variants["idle"].steps_s)
+    assert spin[0] > 0.0005  # 5M cycles at <= 2.5 GHz is >= 2 ms; leave slack for clock boosts
+    assert idle[len(idle) // 2] < spin[0] / 5
+    # The per-step samples tile each window's device time, so they cannot exceed wall time.
+    assert sum(spin) <= elapsed
