@@ -47,8 +47,7 @@ def redact_url(url: str | URL) -> str:
     except (ArgumentError, ValueError, TypeError):
         text = str(url)
         return _QUERY_SECRET.sub(r"\g<key>***", _USERINFO.sub(r"\g<head>:***@", text))
-    query = {k: ("***" if _SECRET_QUERY_KEYS.search(k) else v) for k, v in parsed.query.items()}
-    return parsed.set(query=query).render_as_string(hide_password=True)
+    return _QUERY_SECRET.sub(r"\g<key>***", parsed.render_as_string(hide_password=True))
 
 
 def _secrets(url: URL) -> list[str]:

@@ -13,6 +13,7 @@ Optuna keeps its schema version in ``alembic_version`` in the same database.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 from collections.abc import Iterator
 from importlib import resources
@@ -38,7 +39,8 @@ class SchemaError(EraseTuneError):
 def scripts_dir() -> Path:
     """The Alembic scripts: inside the installed package if shipped there, else the repo's."""
     shipped = resources.files("erase_tune") / "_alembic"
-    if shipped.is_dir() and isinstance(shipped, Path):
+    # A wheel installs as plain files, so this is a real path (Alembic needs one).
+    if isinstance(shipped, Path) and shipped.is_dir():
         return shipped
     repo = Path(__file__).resolve().parents[2] / "alembic"
     if (repo / "env.py").is_file():
@@ -50,12 +52,11 @@ def scripts_dir() -> Path:
 
 
 def alembic_config(connection: Connection | None = None, *, url: str | None = None,
-                   stdout: io.TextIOBase | None = None) -> Config:
-    """A Config built in code. ``connection`` (online) or ``url`` (offline SQL) go through
-    ``attributes``, never through the ini parser, which would also choke on a ``%``."""
-    cfg = Config(stdout=stdout or io.StringIO())
-    cfg.set_main_option("script_location", str(scripts_dir()))
-    cfg.set_main_option("path_separator", "os")
+                   sql_out: io.StringIO | None = None) -> Config:
+    """A Config built in code. ``connection`` (online) or ``url`` (offline SQL, written to
+    ``sql_out``) go through ``attributes``, never through the ini parser, which would also
+    choke on a ``%`` in a password. Alembic's chatter goes nowhere: the CLI prints its own."""
+    cfg = _bare_config(scripts_dir(), sql_out)
     cfg.attributes["connection"] = connection
     cfg.attributes["url"] = url
     # env.py must not reconfigure the caller's logging (it would, from an ini file).
@@ -63,16 +64,30 @@ def alembic_config(connection: Connection | None = None, *, url: str | None = No
     return cfg
 
 
+def _bare_config(location: Path, sql_out: io.StringIO | None = None) -> Config:
+    cfg = Config(stdout=io.StringIO(), output_buffer=sql_out)
+    # Options go through configparser interpolation: a '%' in the path must be doubled.
+    cfg.set_main_option("script_location", str(location).replace("%", "%%"))
+    cfg.set_main_option("path_separator", "os")
+    return cfg
+
+
+@functools.lru_cache(maxsize=None)
+def _scripts(location: Path) -> ScriptDirectory:
+    # Parsing the revision files once per process is enough: they do not change under us.
+    return ScriptDirectory.from_config(_bare_config(location))
+
+
 def head_revision() -> str:
     """The revision this erase-tune's code expects."""
-    heads = ScriptDirectory.from_config(alembic_config()).get_heads()
+    heads = _scripts(scripts_dir()).get_heads()
     if len(heads) != 1:
         raise EraseTuneError(f"erase-tune's migrations have {len(heads)} heads ({', '.join(heads)}): a packaging bug")
     return heads[0]
 
 
 def _known_revisions() -> set[str]:
-    return {s.revision for s in ScriptDirectory.from_config(alembic_config()).walk_revisions()}
+    return {s.revision for s in _scripts(scripts_dir()).walk_revisions()}
 
 
 def current_revision(connection: Connection) -> str | None:
@@ -104,7 +119,7 @@ def downgrade(engine: Engine, revision: str = "base") -> None:
 def upgrade_sql(url: str, revision: str = "head") -> str:
     """The SQL an upgrade would run (Alembic's offline mode), for a DBA to review."""
     out = io.StringIO()
-    command.upgrade(alembic_config(url=url, stdout=out), revision, sql=True)
+    command.upgrade(alembic_config(url=url, sql_out=out), revision, sql=True)
     return out.getvalue()
 
 

@@ -1,0 +1,129 @@
+"""Frozen value objects returned by :class:`~erase_tune.store.Store`, and the baseline key.
+
+ORM rows never leave the storage layer: every read and write hands back one of these,
+built from a row while its session is open, so callers can keep them across threads and
+after the store is closed without lazy loads or detached-instance surprises. The JSON
+fields are the caller's own copies (changing them changes nothing in the database).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from typing import Any, Literal
+
+__all__ = ["JobStatus", "TrialStatus", "Job", "TrialMeasurement", "BaselineEntry", "Export",
+           "baseline_key", "json_safe"]
+
+JobStatus = Literal["running", "finished", "failed", "interrupted"]
+TrialStatus = Literal["complete", "failed", "pruned"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Job:
+    """A tuning job: one Optuna study and what erase-tune needs to resume and report it."""
+
+    id: int
+    study_name: str
+    """The Optuna study's name; unique per storage."""
+    space_path: str
+    """Where the search-space file was read from (informational: it may have moved since)."""
+    space_yaml: str
+    """The search-space file's text as given, so the job can be resumed without it."""
+    workload: str
+    """A built-in workload name (``ctr``) or a user's ``package.module:factory``."""
+    settings: dict[str, Any]
+    """Job settings that do not depend on the storage (budgets, sampler, seeds, ...)."""
+    status: JobStatus
+    n_trials_target: int | None
+    """How many trials the job was asked for; None when it runs until a time budget ends."""
+    error: str | None
+    """One line saying why the job failed or was interrupted; None otherwise."""
+    created_at: dt.datetime
+    updated_at: dt.datetime
+    finished_at: dt.datetime | None
+    """When the job last left ``running``; None while it runs."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrialMeasurement:
+    """What one trial measured, beyond the objective values Optuna keeps."""
+
+    id: int
+    job_id: int
+    trial_number: int
+    """Optuna's trial number within the job's study."""
+    plan_yaml: str
+    """The candidate plan as YAML."""
+    status: TrialStatus
+    failure_reason: str | None
+    metrics: dict[str, Any]
+    """p90/median QPS of baseline, candidate, reference and detach-only twin, NE values,
+    gains. Non-finite floats come back as None (JSON has no NaN)."""
+    samples: dict[str, list[float | None]]
+    """Per-step QPS samples by variant: ``{"baseline": [...], "candidate": [...], ...}``."""
+    device: str | None
+    ray_node: str | None
+    duration_s: float | None
+    created_at: dt.datetime
+    """When the trial was first recorded; a retry keeps this and replaces the rest."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BaselineEntry:
+    """A cached eager-baseline measurement (see :func:`baseline_key`)."""
+
+    key: str
+    metrics: dict[str, Any]
+    samples: dict[str, list[float | None]]
+    created_at: dt.datetime
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Export:
+    """A plan file written by ``erase-tune export``."""
+
+    id: int
+    job_id: int
+    trial_number: int
+    path: str
+    plan_yaml: str
+    """The plan exactly as written, so the file can be recreated or checked for edits."""
+    created_at: dt.datetime
+
+
+def json_safe(value: Any, *, where: str = "value") -> Any:
+    """``value`` as plain JSON data: tuples become lists, numpy scalars and arrays become
+    Python numbers and lists, and non-finite floats become None, because neither JSON nor
+    PostgreSQL's jsonb has NaN or infinity (SQLite would keep them, PostgreSQL would refuse
+    the row: both backends must store the same thing)."""
+    if isinstance(value, bool) or value is None or isinstance(value, (str, int)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {str(k): json_safe(v, where=f"{where}[{k!r}]") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v, where=f"{where}[{i}]") for i, v in enumerate(value)]
+    if hasattr(value, "tolist"):  # numpy scalars and arrays, without importing numpy
+        return json_safe(value.tolist(), where=where)
+    raise TypeError(f"{where}: {type(value).__name__} is not JSON data")
+
+
+def baseline_key(workload: str, args: Mapping[str, Any], device: str, torch_version: str) -> str:
+    """The cache key of an eager-baseline measurement: a sha256 hex digest of the workload
+    name, its arguments as canonical JSON (sorted keys, fixed separators, so argument order
+    does not matter), the device name and the torch version. Any of these changing means
+    the baseline must be measured again."""
+    canonical = json.dumps(
+        {"workload": workload, "args": json_safe(dict(args), where="args"), "device": device, "torch": torch_version},
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=True,
+        allow_nan=False,
+    )
+    return hashlib.sha256(canonical.encode("ascii")).hexdigest()

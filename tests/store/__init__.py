@@ -1,0 +1,1 @@
+"""Tests of :mod:`erase_tune.store`, run against every supported backend."""
