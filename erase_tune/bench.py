@@ -1,0 +1,211 @@
+"""The runtime's variants side by side on one workload (``erase-tune bench``).
+
+Answers "what does each way of running ERASE buy on this workload and device?": a plain
+hand-written training loop, the eager baseline (engine, no cuts), the whole-step-graph
+baseline, ERASE blocking / threaded / per-cut graphs, and whole-step graph with the cuts
+detached only or with full ERASE. All variants start from the same weights, see the same
+batches, and are timed in alternating windows in one process; every speed-up is a
+per-window ratio against the eager and the graph baseline, reported as median [lo, hi].
+With ``trace_dir`` the ERASE variants are then profiled for a few steps and the cross-stream
+overlap (overlapped time / side-stream busy time) is read off the trace.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import gc
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from erase_tune.errors import EraseTuneError
+from erase_tune.measure import profile_steps, provenance, qps_summary, ratio_spread, time_interleaved
+from erase_tune.runtime import Cut, ErasePlan
+from erase_tune.runtime.device import resolve_device
+from erase_tune.trial import Budget, Variant, build_engine, jsonable_args
+from erase_tune.workloads import Workload, WorkloadData
+
+__all__ = ["BenchRow", "BenchResult", "bench_plans", "run_bench", "disjoint_cuts"]
+
+PLAIN = "plain loop"
+EAGER = "eager baseline"
+GRAPH = "graph baseline"
+TRACED = ("ERASE threaded", "graph + ERASE")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BenchRow:
+    name: str
+    plan: str
+    p90_qps: float
+    median_qps: float
+    vs_eager: tuple[float, float, float]
+    """Per-window median-QPS ratio over the eager baseline: (median, lo, hi)."""
+    vs_graph: tuple[float, float, float] | None
+    """The same over the whole-step-graph baseline, where that ran."""
+    overlap: float | None = None
+    """Overlapped time / side-stream busy time from a profiler trace, where traced."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BenchResult:
+    workload: str
+    batch_size: int
+    rows: tuple[BenchRow, ...]
+    samples: Mapping[str, Mapping[str, list]]
+    provenance: Mapping[str, Any]
+
+    def row(self, name: str) -> BenchRow:
+        return next(r for r in self.rows if r.name == name)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "workload": self.workload,
+            "batch_size": self.batch_size,
+            "rows": [dataclasses.asdict(r) for r in self.rows],
+            "samples": {k: dict(v) for k, v in self.samples.items()},
+            "provenance": dict(self.provenance),
+        }
+
+    def table(self) -> str:
+        head = f"{'variant':<22} {'p90 QPS':>12} {'median QPS':>12} {'vs eager':>22} {'vs graph':>22} {'overlap':>8}"
+        lines = [head, "-" * len(head)]
+        for r in self.rows:
+            vg = _ratio(r.vs_graph) if r.vs_graph else "-"
+            ov = f"{r.overlap:.0%}" if r.overlap is not None else "-"
+            lines.append(f"{r.name:<22} {r.p90_qps:>12,.0f} {r.median_qps:>12,.0f} {_ratio(r.vs_eager):>22} {vg:>22} {ov:>8}")
+        return "\n".join(lines)
+
+
+def _ratio(r: tuple[float, float, float]) -> str:
+    return f"{r[0]:.2f}x [{r[1]:.2f}-{r[2]:.2f}]"
+
+
+def disjoint_cuts(candidates: Sequence[str]) -> list[str]:
+    """Greedily pick candidates that do not overlap (a plan may not cut a module twice)."""
+    chosen: list[str] = []
+    for name in candidates:
+        trial = [*chosen, name]
+        try:
+            ErasePlan(cuts=tuple(Cut(module=c) for c in trial))
+        except EraseTuneError:
+            continue
+        chosen = trial
+    return chosen
+
+
+def bench_plans(cuts: Sequence[str], streams: int, device: torch.device) -> dict[str, ErasePlan | None]:
+    """The variants ``erase-tune bench`` compares (``None`` is the plain hand-written loop)."""
+    if not cuts:
+        raise EraseTuneError("bench: no cuts to compare (the workload lists no cut candidates)")
+    if streams < 1:
+        raise EraseTuneError(f"bench: streams must be >= 1, got {streams}")
+
+    def erase(graph: bool = False, **kw: Any) -> ErasePlan:
+        cs = tuple(Cut(module=c, stream=1 + i % streams, graph=graph) for i, c in enumerate(cuts))
+        return ErasePlan(cuts=cs, num_streams=streams, **kw)
+
+    plans: dict[str, ErasePlan | None] = {PLAIN: None, EAGER: ErasePlan()}
+    cuda = device.type == "cuda"
+    if cuda:
+        plans[GRAPH] = ErasePlan(whole_step_graph=True)
+    plans["ERASE blocking"] = erase(dispatch="blocking")
+    plans["ERASE threaded"] = erase(dispatch="threaded")
+    if cuda:
+        plans["ERASE per-cut graphs"] = erase(graph=True, dispatch="threaded")
+        plans["graph + detach only"] = dataclasses.replace(erase().detach_only(), whole_step_graph=True)
+        plans["graph + ERASE"] = erase(dispatch="blocking", whole_step_graph=True)
+    return plans
+
+
+class _PlainLoop:
+    """What a user writes by hand: zero_grad, forward, loss, backward, step."""
+
+    def __init__(self, workload: Workload, init: torch.nn.Module, data: WorkloadData, device: torch.device):
+        self.model = copy.deepcopy(init).to(device)
+        self.optimizer = workload.optimizer(self.model.parameters())
+        self.loss_fn = workload.loss_fn
+        self.data = data
+
+    def __call__(self, step: int) -> None:
+        inputs, target = self.data.batch(step)
+        self.optimizer.zero_grad()
+        self.loss_fn(self.model(*inputs), target).backward()
+        self.optimizer.step()
+
+
+def run_bench(
+    workload: Workload,
+    *,
+    budget: Budget = Budget(),
+    device: str | torch.device | None = None,
+    cuts: Sequence[str] | None = None,
+    streams: int = 4,
+    trace_dir: str | Path | None = None,
+    only: Sequence[str] | None = None,
+) -> BenchResult:
+    """Time every variant of :func:`bench_plans` on ``workload``; see the module docstring."""
+    device = resolve_device(device)
+    torch.manual_seed(budget.seed)
+    data = workload.make_data(device)
+    init = workload.build_model()
+    chosen = list(cuts) if cuts else disjoint_cuts(workload.cut_candidates)
+    plans = bench_plans(chosen, streams, device)
+    if only:
+        unknown = [n for n in only if n not in plans]
+        if unknown:
+            raise EraseTuneError(f"bench: unknown variant {unknown[0]!r} (variants: {', '.join(plans)})")
+        plans = {n: p for n, p in plans.items() if n in only or n in (EAGER, GRAPH)}
+    for p in plans.values():
+        if p is not None:
+            p.check_model(init)
+    runners: dict[str, Any] = {}
+    overlap: dict[str, float] = {}
+    try:
+        for name, plan in plans.items():
+            runners[name] = (_PlainLoop(workload, init, data, device) if plan is None
+                             else Variant(plan=plan, engine=build_engine(workload, plan, init, data, device), data=data))
+        timings = time_interleaved(runners, device=device, warmup_steps=budget.warmup_steps,
+                                   windows=budget.windows, window_steps=budget.window_steps)
+        if trace_dir is not None:
+            for name in TRACED:
+                if name in runners:
+                    path = Path(trace_dir) / f"{name.replace(' ', '_').replace('+', 'plus')}.json"
+                    report = profile_steps(runners[name], steps=5, start_step=timings.next_step, trace_path=path)
+                    overlap[name] = report.overlap_fraction
+    finally:
+        for r in runners.values():
+            if isinstance(r, Variant):
+                r.engine.close()
+        runners.clear()
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    batch = workload.batch_size
+    rows = []
+    for name, t in timings.variants.items():
+        s = qps_summary(t.steps_s, batch)
+        ve = ratio_spread(t, timings.variants[EAGER], batch)
+        vg = ratio_spread(t, timings.variants[GRAPH], batch) if GRAPH in timings.variants else None
+        plan = plans[name]
+        rows.append(BenchRow(
+            name=name,
+            plan=plan.describe() if plan is not None else "hand-written loop, no engine",
+            p90_qps=s.p90, median_qps=s.median,
+            vs_eager=(ve.median, ve.lo, ve.hi),
+            vs_graph=(vg.median, vg.lo, vg.hi) if vg else None,
+            overlap=overlap.get(name),
+        ))
+    return BenchResult(
+        workload=workload.name,
+        batch_size=batch,
+        rows=tuple(rows),
+        samples={k: v.to_dict() for k, v in timings.variants.items()},
+        provenance=provenance(device, workload=workload.name,
+                              workload_args=jsonable_args(workload.args),
+                              budget=dataclasses.asdict(budget), cuts=chosen, streams=streams),
+    )

@@ -1,0 +1,263 @@
+"""One trial: a candidate plan against the baseline, measured side by side in one process.
+
+The numbers users act on come from here, so the protocol follows DESIGN.md's measurement
+rules: baseline (no cuts), candidate, its "detach only" twin (same cuts, no early launch)
+and the best non-detached reference (whole-step CUDA graph, no cuts; CUDA only) all start
+from the same weights, see the same batches, and are timed on the device in alternating
+windows after warm-up. Gains are ratios of those samples: p90 and median of per-step QPS,
+with the spread of the per-window ratio. Quality is held-out NE of baseline and candidate
+after the same training steps; the NE gap is ``(NE_cand - NE_base) / NE_base``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import gc
+import math
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from erase_tune.errors import EraseTuneError
+from erase_tune.measure import provenance, qps_summary, ratio_spread, time_interleaved
+from erase_tune.measure.stats import gain
+from erase_tune.runtime import EraseEngine, ErasePlan
+from erase_tune.runtime.device import resolve_device
+from erase_tune.workloads import Workload, WorkloadData
+
+__all__ = ["Budget", "VariantResult", "TrialResult", "TrialFailed", "run_trial", "build_engine", "Variant", "jsonable_args"]
+
+GRAPH_WARMUP = 3
+"""Eager steps an engine runs before capturing a CUDA graph (capture happens on the next)."""
+
+
+class TrialFailed(EraseTuneError, RuntimeError):
+    """The trial ran but produced no usable measurement (NaN loss, capture failure, ...)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Budget:
+    """How long a trial trains and times each variant."""
+
+    warmup_steps: int = 8
+    """Untimed steps per variant first (covers graph warm-up and capture)."""
+    windows: int = 4
+    """Alternating timing rounds; each variant runs one window per round."""
+    window_steps: int = 10
+    """Timed steps per window."""
+    quality_steps: int = 0
+    """Extra untimed training steps for baseline and candidate before NE is measured."""
+    seed: int = 0
+    """Seed for weights and data order."""
+    reference: bool = True
+    """Also time the whole-step-graph baseline (the honest competitor; CUDA only)."""
+    detach_only: bool = True
+    """Also time the candidate's detach-only twin (splits work removed from overlap gained)."""
+
+    def __post_init__(self) -> None:
+        for name in ("warmup_steps", "windows", "window_steps", "quality_steps", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise EraseTuneError(f"budget.{name}: {value!r} must be an integer >= 0")
+        if self.warmup_steps < GRAPH_WARMUP + 2:
+            raise EraseTuneError(
+                f"budget.warmup_steps: {self.warmup_steps} is too short; CUDA graphs need {GRAPH_WARMUP + 2} "
+                "(eager warm-up, capture, one replay) before timing starts"
+            )
+        if self.windows < 1 or self.window_steps < 1:
+            raise EraseTuneError("budget.windows and budget.window_steps must be >= 1")
+
+    @property
+    def training_steps(self) -> int:
+        """Steps baseline and candidate have trained for when NE is measured."""
+        return self.warmup_steps + self.windows * self.window_steps + self.quality_steps
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VariantResult:
+    """Timing of one variant: summary and raw per-step samples."""
+
+    name: str
+    plan: str
+    p90_qps: float
+    median_qps: float
+    steps_s: tuple[float, ...]
+    window: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrialResult:
+    """Everything one trial measured, with provenance."""
+
+    workload: str
+    plan: ErasePlan
+    batch_size: int
+    variants: Mapping[str, VariantResult]
+    """``baseline``, ``candidate`` and, where run, ``detach_only`` and ``reference``."""
+    ne_baseline: float
+    ne_candidate: float
+    ne_gap: float
+    gain_p90: float
+    """Candidate over baseline, p90 of per-step QPS (the paper's headline statistic)."""
+    gain_median: float
+    gain_spread: tuple[float, float]
+    """Lowest and highest per-window median-QPS gain over baseline."""
+    gain_vs_reference: float | None
+    """Candidate over the whole-step-graph baseline (p90), where that ran."""
+    gain_detach_only: float | None
+    """Detach-only twin over baseline (p90): the part of the gain that is work removed."""
+    duration_s: float
+    provenance: Mapping[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form, raw samples included."""
+        out = dataclasses.asdict(self)
+        out["plan"] = self.plan.to_dict()
+        out["variants"] = {k: dataclasses.asdict(v) for k, v in self.variants.items()}
+        out["provenance"] = dict(self.provenance)
+        return out
+
+    def metrics(self) -> dict[str, float | None]:
+        """The flat numbers a study records (no samples)."""
+        out: dict[str, float | None] = {
+            "gain_p90": self.gain_p90,
+            "gain_median": self.gain_median,
+            "gain_lo": self.gain_spread[0],
+            "gain_hi": self.gain_spread[1],
+            "gain_vs_reference": self.gain_vs_reference,
+            "gain_detach_only": self.gain_detach_only,
+            "ne_baseline": self.ne_baseline,
+            "ne_candidate": self.ne_candidate,
+            "ne_gap": self.ne_gap,
+        }
+        for name, v in self.variants.items():
+            out[f"{name}_p90_qps"] = v.p90_qps
+            out[f"{name}_median_qps"] = v.median_qps
+        return out
+
+
+@dataclasses.dataclass
+class Variant:
+    """A model trained under one plan, ready to step through the workload's batches."""
+
+    plan: ErasePlan
+    engine: EraseEngine
+    data: WorkloadData
+    last_loss: torch.Tensor | None = None
+
+    def __call__(self, step: int) -> None:
+        inputs, target = self.data.batch(step)
+        self.last_loss = self.engine.step(inputs, target)
+
+
+def build_engine(workload: Workload, plan: ErasePlan, init: torch.nn.Module, data: WorkloadData,
+                 device: torch.device) -> EraseEngine:
+    """A copy of the initial model ``init`` on ``device``, trained under ``plan``."""
+    model = copy.deepcopy(init).to(device)
+    return EraseEngine(
+        model,
+        plan,
+        loss_fn=workload.loss_fn,
+        optimizer=workload.optimizer,
+        example=data.batch(0),
+        make_head=workload.make_head,
+        graph_warmup=GRAPH_WARMUP,
+    )
+
+
+def run_trial(
+    workload: Workload,
+    plan: ErasePlan,
+    budget: Budget = Budget(),
+    device: str | torch.device | None = None,
+    *,
+    baseline_ne: float | None = None,
+) -> TrialResult:
+    """Measure ``plan`` on ``workload`` against the baseline; see the module docstring.
+
+    ``baseline_ne``: the baseline's held-out NE from an earlier trial of the same workload,
+    budget, seed and device (the service caches it); the baseline is then still timed but
+    not trained on for quality, which saves those steps.
+    """
+    started = time.perf_counter()
+    device = resolve_device(device)
+    torch.manual_seed(budget.seed)
+    data = workload.make_data(device)
+    init = workload.build_model()
+    plan.check_model(init)
+
+    plans: dict[str, ErasePlan] = {"baseline": ErasePlan(), "candidate": plan}
+    if budget.detach_only and plan.cuts:
+        plans["detach_only"] = plan.detach_only()
+    if budget.reference and device.type == "cuda":
+        plans["reference"] = ErasePlan(whole_step_graph=True)
+    variants: dict[str, Variant] = {}
+    try:
+        for name, p in plans.items():
+            variants[name] = Variant(plan=p, engine=build_engine(workload, p, init, data, device), data=data)
+        timings = time_interleaved(
+            variants, device=device, warmup_steps=budget.warmup_steps,
+            windows=budget.windows, window_steps=budget.window_steps,
+        )
+        for name, v in variants.items():
+            _check_finite(name, v)
+        step = timings.next_step
+        quality = ("candidate",) if baseline_ne is not None else ("baseline", "candidate")
+        for _ in range(budget.quality_steps):
+            for name in quality:
+                variants[name](step)
+            step += 1
+        ne = {"baseline": baseline_ne}
+        for name in quality:
+            _check_finite(name, variants[name])
+            ne[name] = workload.normalized_entropy(variants[name].engine.model, data)
+            if not math.isfinite(ne[name]):
+                raise TrialFailed(f"{name}: held-out NE is {ne[name]}")
+    finally:
+        for v in variants.values():
+            v.engine.close()
+        variants.clear()
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    batch = workload.batch_size
+    results = {}
+    for name, t in timings.variants.items():
+        s = qps_summary(t.steps_s, batch)
+        results[name] = VariantResult(name=name, plan=plans[name].describe(), p90_qps=s.p90, median_qps=s.median,
+                                      steps_s=t.steps_s, window=t.window)
+    spread = ratio_spread(timings.variants["candidate"], timings.variants["baseline"], batch)
+    cand = results["candidate"]
+    return TrialResult(
+        workload=workload.name,
+        plan=plan,
+        batch_size=batch,
+        variants=results,
+        ne_baseline=ne["baseline"],
+        ne_candidate=ne["candidate"],
+        ne_gap=(ne["candidate"] - ne["baseline"]) / ne["baseline"],
+        gain_p90=gain(cand.p90_qps, results["baseline"].p90_qps),
+        gain_median=gain(cand.median_qps, results["baseline"].median_qps),
+        gain_spread=(spread.lo - 1.0, spread.hi - 1.0),
+        gain_vs_reference=gain(cand.p90_qps, results["reference"].p90_qps) if "reference" in results else None,
+        gain_detach_only=gain(results["detach_only"].p90_qps, results["baseline"].p90_qps) if "detach_only" in results else None,
+        duration_s=time.perf_counter() - started,
+        provenance=provenance(
+            device, workload=workload.name, workload_args=jsonable_args(workload.args),
+            budget=dataclasses.asdict(budget), training_steps=budget.training_steps,
+            baseline_ne_cached=baseline_ne is not None,
+        ),
+    )
+
+
+def _check_finite(name: str, variant: Variant) -> None:
+    if variant.last_loss is not None and not bool(torch.isfinite(variant.last_loss)):
+        raise TrialFailed(f"{name}: training loss became {float(variant.last_loss)} ({variant.plan.describe()})")
+
+
+def jsonable_args(args: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: (v if isinstance(v, (int, float, str, bool, type(None))) else str(v)) for k, v in args.items()}
