@@ -134,9 +134,11 @@ def cmd_start(ns: argparse.Namespace) -> int:
     if live:
         print()
     o = summary.overhead
-    print(f"study {summary.study_name}: {summary.complete} complete, {summary.failed} failed; "
-          f"scheduler overhead {o['driver_s'] + o['dispatch_s']:.2f}s per trial "
-          f"({o['fraction']:.1%} of {o['trial_s']:.1f}s trial time)")
+    print(f"study {summary.study_name}: {summary.complete} complete, {summary.failed} failed")
+    if o["trials"]:
+        print(f"scheduler overhead per trial: {o['driver_s']:.3f}s driver (ask/tell/db) + {o['dispatch_s']:.3f}s Ray "
+              f"dispatch = {o['fraction']:.2%} of {o['trial_s']:.1f}s trial time; fresh worker start "
+              f"{o['startup_s']:.2f}s more ({o['fraction_with_startup']:.1%} in all)")
     if summary.front:
         print(f"Pareto front within the NE budget (best first): "
               + ", ".join(f"trial {p.number} {p.qps_gain:+.2%}/{p.ne_gap:+.2%}" for p in summary.front))

@@ -1,9 +1,27 @@
-"""Shared test fixtures: GPU marker handling and global-state hygiene."""
+"""Shared test fixtures: GPU marker handling, global-state hygiene, and the databases.
+
+Storage tests run one suite against SQLite and PostgreSQL (Optuna's STORAGE_MODES style).
+PostgreSQL tests are real tests, not skips: CI starts the server. Each test session gets
+its own freshly created, uniquely named database (made through the admin database with
+AUTOCOMMIT, dropped at the end), so parallel sessions never see each other's tables; each
+test then starts from an empty ``public`` schema. ``ERASE_TUNE_TEST_PG_URL`` points the
+suite at another server's admin database.
+"""
 
 from __future__ import annotations
 
+import os
+import uuid
+from collections.abc import Iterator
+
 import pytest
 import torch
+from sqlalchemy import create_engine
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.pool import NullPool
+
+from erase_tune.store import redact_url
 
 
 def pytest_collection_modifyitems(config, items):
@@ -25,3 +43,49 @@ def _restore_torch_state():
     torch.set_default_dtype(dtype)
     torch.set_num_threads(threads)
     torch.set_rng_state(rng)
+
+
+PG_ADMIN_URL = os.environ.get("ERASE_TUNE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+STORAGE_MODES = ["sqlite", "postgresql"]
+
+
+@pytest.fixture(scope="session")
+def pg_database() -> Iterator[str]:
+    """URL of a PostgreSQL database created for this test session and dropped after it."""
+    name = f"erase_tune_test_{os.getpid()}_{uuid.uuid4().hex[:10]}"
+    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT", poolclass=NullPool)
+    try:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    except OperationalError as exc:
+        pytest.fail(
+            f"PostgreSQL at {redact_url(PG_ADMIN_URL)} is needed by the store tests and is not reachable "
+            f"({' '.join(str(exc.orig).split())}); start it, or set ERASE_TUNE_TEST_PG_URL",
+            pytrace=False,
+        )
+    try:
+        yield make_url(PG_ADMIN_URL).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            # FORCE: a connection a failed test leaked must not keep the database alive.
+            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.dispose()
+
+
+@pytest.fixture
+def pg_url(pg_database: str) -> str:
+    """The session's PostgreSQL database, emptied, so every test starts from nothing."""
+    engine = create_engine(pg_database, poolclass=NullPool)
+    with engine.begin() as conn:
+        conn.exec_driver_sql("DROP SCHEMA public CASCADE")
+        conn.exec_driver_sql("CREATE SCHEMA public")
+    engine.dispose()
+    return pg_database
+
+
+@pytest.fixture(params=STORAGE_MODES)
+def storage_url(request: pytest.FixtureRequest, tmp_path) -> str:
+    """A fresh, empty database of each supported kind."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'erase-tune.db'}"
+    return request.getfixturevalue("pg_url")

@@ -28,6 +28,8 @@ class TrialHandle:
     ref: Any
     started: float
     cancel_reason: str | None = None
+    submitted_at: float = dataclasses.field(default_factory=time.time)
+    driver_s: float = 0.0
     plan_yaml: str = ""
     plan_summary: str = ""
 
@@ -37,10 +39,23 @@ def _ray_trial(spec: TrialSpec) -> dict[str, Any]:
     import ray
 
     ctx = ray.get_runtime_context()
+    entered = time.time()
     outcome = run_spec(spec)
+    outcome["process_started_at"] = _process_start()
+    outcome["entered_at"] = entered
     outcome["ray_node"] = f"{ray.util.get_node_ip_address()}/{ctx.get_node_id()[:12]}"
     outcome["gpu_ids"] = [str(g) for g in ray.get_gpu_ids()]
     return outcome
+
+
+def _process_start() -> float | None:
+    """When this worker process was created (Ray starts one per trial)."""
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except Exception:  # noqa: BLE001 - accounting only
+        return None
 
 
 class RayExecutor:

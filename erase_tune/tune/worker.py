@@ -32,20 +32,28 @@ class TrialSpec:
 
 
 def run_spec(spec: TrialSpec) -> dict[str, Any]:
-    """Run one trial; never raises for a trial's own failure."""
+    """Run one trial; never raises for a trial's own failure.
+
+    The outcome carries wall-clock stamps (``started_at``: the worker began; ``ready_at``:
+    imports done; ``finished_at``) so the driver can split scheduling overhead from the trial.
+    """
+    started_at = time.time()
     started = time.perf_counter()
+    ready_at = None
     try:
         from erase_tune.runtime import ErasePlan
         from erase_tune.trial import Budget, run_trial
         from erase_tune.workloads import get_workload
 
+        ready_at = time.time()
         plan = ErasePlan.from_dict(dict(spec.plan))
         workload = get_workload(spec.workload, dict(spec.workload_args))
         result = run_trial(workload, plan, Budget(**spec.budget), device=spec.device, baseline_ne=spec.baseline_ne)
     except Exception as e:  # noqa: BLE001 - every failure is data for the study
         reason = _reason(e)
         return {"status": "failed", "reason": reason, "duration_s": time.perf_counter() - started,
-                "traceback": traceback.format_exc(limit=8)}
+                "traceback": traceback.format_exc(limit=8), "started_at": started_at,
+                "ready_at": ready_at or time.time(), "finished_at": time.time()}
     return {
         "status": "complete",
         "metrics": result.metrics(),
@@ -53,6 +61,9 @@ def run_spec(spec: TrialSpec) -> dict[str, Any]:
         "provenance": dict(result.provenance),
         "device": result.provenance.get("device_name"),
         "duration_s": time.perf_counter() - started,
+        "started_at": started_at,
+        "ready_at": ready_at,
+        "finished_at": time.time(),
     }
 
 
