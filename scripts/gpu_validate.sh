@@ -18,6 +18,7 @@ if [ "$what" = trace ] || [ "$what" = all ]; then
       --arg sub_out=64 --arg train_batches=16 --arg eval_batches=2 --device cuda --windows 4 --window-steps 20 \
       --only "ERASE threaded,graph + detach only,graph + ERASE" --trace "$OUT/trace_$b" --json \
       > "$OUT/trace_bench_$b.json" 2> "$OUT/trace_bench_$b.err" || tail -n 5 "$OUT/trace_bench_$b.err"
+    [ -s "$OUT/trace_bench_$b.err" ] && grep -v "^USDT" "$OUT/trace_bench_$b.err" | tail -n 3; rm -f "$OUT/trace_bench_$b.err"
     gzip -f "$OUT"/trace_$b/*.json 2>/dev/null
   done
 fi
