@@ -35,3 +35,4 @@ for r in d['rows']:
     g=r['vs_graph'] or [0,0,0]; ov=r['overlap']
     print(f\"b={d['batch_size']:<6} {r['name']:<22} vs eager {r['vs_eager'][0]:.2f}x  vs graph {g[0]:.2f}x  overlap {'-' if ov is None else format(ov,'.0%')}\")"
 done
+exit 0
