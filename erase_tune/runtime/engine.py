@@ -227,6 +227,8 @@ class EraseEngine:
         self._step_graph: torch.cuda.CUDAGraph | None = None
         self._step_static: tuple[list[Tensor], Tensor, Tensor] | None = None
         self._steps = 0
+        self.capture_retries = 0
+        """Whole-step captures that failed once and succeeded on the retry."""
 
         heads = self._build_heads(example, make_head or _default_head) if plan.cuts else {}
         self._head_modules = nn.ModuleList(heads.values())
@@ -415,19 +417,27 @@ class EraseEngine:
         cap = self._capture_stream
         static_inputs = tree_map(lambda x: x.clone() if isinstance(x, Tensor) else x, inputs)
         static_target = target.clone()
-        for p in self.parameters():
-            p.grad = None  # grads come from the graph's pool; every replay overwrites them
-        graph = torch.cuda.CUDAGraph()
-        dev.wait_stream(cap, main)
-        try:
-            with torch.cuda.graph(graph, stream=cap):
-                loss = self.forward_backward(static_inputs, static_target)
-                self.optimizer.step()
-        except (RuntimeError, torch.cuda.CudaError) as e:  # type: ignore[attr-defined]
-            raise CaptureError(
-                f"whole-step CUDA graph capture failed ({str(e).splitlines()[0]}); the step must have static "
-                "shapes and no CPU syncs (.item(), .cpu(), data-dependent control flow)"
-            ) from e
+        # One retry: a capture can be invalidated by unrelated work elsewhere in the process
+        # (seen once on an H200 with the GPT proxy); a second failure is the workload's own.
+        for attempt in (1, 2):
+            for p in self.parameters():
+                p.grad = None  # grads come from the graph's pool; every replay overwrites them
+            graph = torch.cuda.CUDAGraph()
+            dev.wait_stream(cap, main)
+            try:
+                with torch.cuda.graph(graph, stream=cap):
+                    loss = self.forward_backward(static_inputs, static_target)
+                    self.optimizer.step()
+                break
+            except (RuntimeError, torch.cuda.CudaError) as e:  # type: ignore[attr-defined]
+                self._deferred, self._aux_values, self._pending = [], [], []
+                if attempt == 2:
+                    raise CaptureError(
+                        f"whole-step CUDA graph capture failed ({str(e).splitlines()[0]}); the step must have "
+                        "static shapes and no CPU syncs (.item(), .cpu(), data-dependent control flow)"
+                    ) from e
+                self.capture_retries += 1
+                dev.synchronize(self.device)
         dev.wait_stream(main, cap)
         self._graph_owned.update(id(p) for p in self.parameters())
         self._step_graph = graph
