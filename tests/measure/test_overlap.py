@@ -35,7 +35,7 @@ def test_parses_kernels_only():
 
 def test_two_streams_known_overlap():
     r = overlap_report(kernel_intervals_from_trace(TWO_STREAMS))
-    assert r.main_stream == 7  # 200 µs busy vs 150
+    assert r.main_stream == 7  # its first kernel starts first
     assert r.side_streams == (13,)
     assert (r.main_busy_us, r.side_busy_us, r.overlapped_us) == (200, 150, 100)
     assert r.overlap_fraction == pytest.approx(100 / 150)
@@ -87,7 +87,15 @@ def test_no_side_stream_and_no_kernels():
     assert (empty.main_busy_us, empty.side_busy_us, empty.overlapped_us, empty.span_us) == (0, 0, 0, 0)
 
 
-def test_tie_on_busy_time_picks_smallest_stream():
+def test_main_stream_is_where_the_step_starts_not_the_busiest():
+    # the step begins on stream 7; side stream 13 carries more work (detached pieces)
+    trace = _trace(_kernel(7, 0, 20), _kernel(13, 10, 300), _kernel(7, 100, 20))
+    r = overlap_report(kernel_intervals_from_trace(trace))
+    assert r.main_stream == 7 and r.side_streams == (13,)
+    assert r.overlapped_us == 30 and r.overlap_fraction == pytest.approx(30 / 300)
+
+
+def test_tie_on_start_picks_smallest_stream():
     r = overlap_report(kernel_intervals_from_trace(_trace(_kernel(20, 0, 10), _kernel(9, 0, 10))))
     assert r.main_stream == 9
     assert r.overlap_fraction == 1.0
