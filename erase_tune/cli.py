@@ -67,12 +67,17 @@ def _add_budget(p: argparse.ArgumentParser, quality: bool = True) -> None:
 
 
 def cmd_trial(ns: argparse.Namespace) -> int:
+    from erase_tune.errors import PlanError
     from erase_tune.runtime import ErasePlan
     from erase_tune.trial import run_trial
     from erase_tune.workloads import get_workload
 
     plan = ErasePlan.load(ns.plan)
     workload = get_workload(ns.workload, _workload_args(ns.arg))
+    try:  # before any data is made, and naming the file: the plan may not fit this model
+        plan.check_model(workload.build_model())
+    except PlanError as e:
+        raise PlanError(f"{ns.plan}: {e}") from None
     result = run_trial(workload, plan, _budget(ns), device=ns.device)
     if ns.json:
         print(json.dumps(result.to_dict(), indent=2))

@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"training {workload.name} with plan: {plan.describe()}")
     if plan.provenance:
         p = plan.provenance
-        print(f"  tuned in study {p.get('study')} trial {p.get('trial')}: gain {p.get('qps_gain_p90')}, NE gap {p.get('ne_gap')}")
+        print(f"  tuned in study {p.get('study')} trial {p.get('trial')}: QPS gain {p.get('qps_gain')} over the "
+              f"{p.get('gain_over')} baseline, NE gap {p.get('ne_gap')}")
     ne0 = workload.normalized_entropy(model, data)
     start = time.perf_counter()
     for step in range(ns.steps):

@@ -40,7 +40,7 @@ from erase_tune.tune.study import (
 from erase_tune.tune.worker import TrialSpec
 from erase_tune.workloads import get_workload
 
-__all__ = ["JobSummary", "Progress", "start_job", "STALE_AFTER_S"]
+__all__ = ["JobSummary", "Progress", "start_job", "check_space", "STALE_AFTER_S"]
 
 STALE_AFTER_S = 120.0
 HEARTBEAT_EVERY_S = 10.0
@@ -92,8 +92,66 @@ def start_job(
     target = trials if trials is not None else space.trials
     if target < 1:
         raise EraseTuneError(f"--trials: {target} must be >= 1")
+    if slots is not None and slots < 1:  # before the job is touched
+        raise EraseTuneError(f"--slots: {slots} must be >= 1")
 
-    workload = get_workload(space.workload, space.workload_args)
+    candidates, seeds = check_space(space)
+
+    store = Store(url)
+    store.upgrade()
+    study = open_study(url, name, sampler=make_sampler(space.sampler, space.sampler_seed))
+    resumed = len(study.get_trials(deepcopy=False))
+    if resumed and space.sampler_seed is not None:
+        # A fresh sampler with the same seed would replay the first run's proposals, each a
+        # repeat of a measured plan: offset the seed by the trials the study already holds.
+        study.sampler = make_sampler(space.sampler, space.sampler_seed + resumed)
+    previous = study.user_attrs.get(Attr.GAIN_OVER)
+    if previous is not None and previous != space.gain_over:
+        raise EraseTuneError(f"study {name!r} measures qps_gain over the {previous} baseline; this space says "
+                             f"{space.gain_over}: use another study name")
+    # Ray before the job is touched: a cluster that cannot be reached leaves the job as it was.
+    executor = RayExecutor(ray_address, slots=slots, device=space.device)
+    try:
+        study.set_user_attr(Attr.WORKLOAD, {"name": space.workload, "args": dict(space.workload_args)})
+        study.set_user_attr(Attr.MAX_NE_GAP, space.max_ne_gap)
+        study.set_user_attr(Attr.GAIN_OVER, space.gain_over)
+        job = store.create_job(study_name=name, space_path=str(space_path), space_yaml=space.text,
+                               workload=space.workload, settings={"storage": redact_url(url), "trials": target},
+                               n_trials_target=target, get_or_create=True)
+        if job.status != "running":
+            job = store.set_job_status(name, "running")
+        if not study.trials:
+            for seed_name, params in seeds:
+                study.enqueue_trial(params, user_attrs={Attr.SEED_NAME: seed_name}, skip_if_exists=True)
+
+        driver = _Driver(space=space, study=study, store=store, job=job, executor=executor,
+                         candidates=candidates, target=target, on_progress=on_progress)
+        try:
+            driver.run()
+        except BaseException as e:
+            driver.abort("interrupted" if isinstance(e, KeyboardInterrupt) else f"driver failed: {e}")
+            store.set_job_status(name, "interrupted" if isinstance(e, KeyboardInterrupt) else "failed",
+                                 error=str(e).splitlines()[0] if str(e) else type(e).__name__)
+            raise
+    finally:
+        executor.close()
+    store.set_job_status(name, "finished")
+    summary = JobSummary(
+        study_name=name, storage=redact_url(url), executor=executor.describe,
+        complete=driver.count(TrialState.COMPLETE), failed=driver.count(TrialState.FAIL),
+        front=pareto_front(study, space.max_ne_gap), overhead=driver.overhead(),
+    )
+    store.close()
+    return summary
+
+
+def check_space(space: SearchSpace) -> tuple[list[str], list[tuple[str, dict[str, Any]]]]:
+    """Check a space against its workload's model (candidates exist, seeds fit the space);
+    returns the candidates and the seeds' trial parameters. Builds the model once, on the CPU."""
+    try:
+        workload = get_workload(space.workload, space.workload_args)
+    except EraseTuneError as e:
+        raise EraseTuneError(f"{space.source}: {e}") from None
     model = workload.build_model()
     candidates = list(space.candidates or workload.cut_candidates)
     for c in candidates:
@@ -108,42 +166,7 @@ def start_job(
             seeds.append((seed_name, plan_params(space, plan, candidates)))
         except EraseTuneError as e:
             raise EraseTuneError(f"{space.source}: seeds[{i}] ({seed_name}): {e}") from None
-    del model
-
-    store = Store(url)
-    store.upgrade()
-    study = open_study(url, name, sampler=make_sampler(space.sampler, space.sampler_seed))
-    study.set_user_attr(Attr.WORKLOAD, {"name": space.workload, "args": dict(space.workload_args)})
-    study.set_user_attr(Attr.MAX_NE_GAP, space.max_ne_gap)
-    job = store.create_job(study_name=name, space_path=str(space_path), space_yaml=space.text,
-                           workload=space.workload, settings={"storage": redact_url(url), "trials": target},
-                           n_trials_target=target, get_or_create=True)
-    if job.status != "running":
-        job = store.set_job_status(name, "running")
-    if not study.trials:
-        for seed_name, params in seeds:
-            study.enqueue_trial(params, user_attrs={Attr.SEED_NAME: seed_name}, skip_if_exists=True)
-
-    executor = RayExecutor(ray_address, slots=slots, device=space.device)
-    driver = _Driver(space=space, study=study, store=store, job=job, executor=executor,
-                     candidates=candidates, target=target, on_progress=on_progress)
-    try:
-        driver.run()
-    except BaseException as e:
-        driver.abort("interrupted" if isinstance(e, KeyboardInterrupt) else f"driver failed: {e}")
-        store.set_job_status(name, "interrupted" if isinstance(e, KeyboardInterrupt) else "failed",
-                             error=str(e).splitlines()[0] if str(e) else type(e).__name__)
-        raise
-    finally:
-        executor.close()
-    store.set_job_status(name, "finished")
-    summary = JobSummary(
-        study_name=name, storage=redact_url(url), executor=executor.describe,
-        complete=driver.count(TrialState.COMPLETE), failed=driver.count(TrialState.FAIL),
-        front=pareto_front(study, space.max_ne_gap), overhead=driver.overhead(),
-    )
-    store.close()
-    return summary
+    return candidates, seeds
 
 
 class _Driver:
@@ -252,8 +275,11 @@ class _Driver:
                 trial.set_user_attr(attr, outcome[key])
         status, reason, metrics = outcome["status"], outcome.get("reason"), outcome.get("metrics") or {}
         if status == "complete":
-            values = objective_values(metrics)
-            if not all(math.isfinite(v) for v in values):
+            try:
+                values = objective_values(metrics, self.space.gain_over)
+            except EraseTuneError as e:
+                values, status, reason = [], "failed", str(e)
+            if status == "complete" and not all(math.isfinite(v) for v in values):
                 status, reason = "failed", f"non-finite objectives {values}"
         if status == "complete":
             prov = outcome.get("provenance") or {}
@@ -317,6 +343,9 @@ class _Driver:
         now = time.time()
         for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             beat = t.user_attrs.get(Attr.HEARTBEAT)
+            if beat is None and t.datetime_start is not None:
+                # Another driver may be between ask() and its first heartbeat: judge by start.
+                beat = t.datetime_start.timestamp()
             if beat is None or now - float(beat) > STALE_AFTER_S:
                 reason = "stale: its driver stopped before the trial finished"
                 self.study._storage.set_trial_user_attr(t._trial_id, Attr.FAILURE, reason)

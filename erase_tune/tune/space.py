@@ -26,10 +26,14 @@ from erase_tune.errors import EraseTuneError, PlanError
 from erase_tune.runtime import DISPATCH_MODES, Cut, ErasePlan
 from erase_tune.trial import Budget
 
-__all__ = ["SearchSpace", "SpaceBudget", "SpaceError", "OBJECTIVES", "SAMPLERS", "plan_params"]
+__all__ = ["SearchSpace", "SpaceBudget", "SpaceError", "OBJECTIVES", "GAIN_OVER", "SAMPLERS", "plan_params"]
 
 OBJECTIVES = ("qps_gain", "ne_gap")
-"""Maximize the p90 QPS gain over the eager baseline; minimize the relative NE gap."""
+"""Maximize the p90 QPS gain (over the baseline named by ``gain_over``); minimize the NE gap."""
+GAIN_OVER = ("eager", "graph")
+"""``eager``: over the eager baseline (no cuts). ``graph``: over the whole-step-graph
+baseline, the honest competitor on a GPU and a far steadier ratio (the CPU-launch-bound
+eager baseline drifts between windows and trials); CUDA only."""
 SAMPLERS = ("tpe", "nsga2", "gp", "random")
 
 
@@ -74,6 +78,8 @@ class SearchSpace:
     """(low, high, log) of each detached cut's λ."""
     max_ne_gap: float
     """Constraint: trials with a larger relative NE gap are infeasible."""
+    gain_over: str
+    """Which baseline ``qps_gain`` is measured against: ``eager`` or ``graph`` (GAIN_OVER)."""
     sampler: str
     sampler_seed: int | None
     budget: SpaceBudget
@@ -196,7 +202,7 @@ def _choose(trial: Any, name: str, choices: Sequence[Any]) -> Any:
 
 # -- parsing ---------------------------------------------------------------------------------
 
-_TOP = {"workload", "cuts", "objectives", "max_ne_gap", "sampler", "budget", "trials", "seed", "device", "seeds"}
+_TOP = {"workload", "cuts", "objectives", "gain_over", "max_ne_gap", "sampler", "budget", "trials", "seed", "device", "seeds"}
 _CUTS = {"candidates", "max_streams", "dispatch", "graph", "whole_step_graph", "find_unused_parameters", "aux_weight"}
 
 
@@ -249,6 +255,12 @@ def _parse(data: Any, source: str, text: str) -> SearchSpace:
     objectives = data.get("objectives", list(OBJECTIVES))
     if list(objectives or []) != list(OBJECTIVES):
         raise SpaceError(f"objectives: must be {list(OBJECTIVES)} (maximize qps_gain, minimize ne_gap)")
+    gain_over = data.get("gain_over", "eager")
+    if gain_over not in GAIN_OVER:
+        raise SpaceError(f"gain_over: {gain_over!r} is not one of {', '.join(GAIN_OVER)}")
+    device = data.get("device", "auto")
+    if gain_over == "graph" and device == "cpu":
+        raise SpaceError("gain_over: graph needs CUDA (the graph baseline does not exist on the CPU); use eager")
     max_ne_gap = _float(data.get("max_ne_gap", 0.02), "max_ne_gap")
     if max_ne_gap < 0:
         raise SpaceError(f"max_ne_gap: {max_ne_gap} must be >= 0")
@@ -279,7 +291,6 @@ def _parse(data: Any, source: str, text: str) -> SearchSpace:
     if budget.timeout_s <= 0:
         raise SpaceError("budget.timeout_s: must be > 0")
 
-    device = data.get("device", "auto")
     if device not in ("auto", "cpu", "cuda"):
         raise SpaceError(f"device: {device!r} is not one of auto, cpu, cuda")
 
@@ -297,7 +308,7 @@ def _parse(data: Any, source: str, text: str) -> SearchSpace:
     return SearchSpace(
         source=source, workload=wl["name"], workload_args=dict(args), candidates=tuple(candidates),
         max_streams=max_streams, dispatch=dispatch, graph=graph, whole_step_graph=whole,
-        find_unused_parameters=fup, aux_weight=(low, high, log), max_ne_gap=max_ne_gap,
+        find_unused_parameters=fup, aux_weight=(low, high, log), max_ne_gap=max_ne_gap, gain_over=gain_over,
         sampler=sampler["name"], sampler_seed=sampler_seed, budget=budget,
         trials=_int(data.get("trials", 24), "trials", 1), seed=_int(data.get("seed", 0), "seed", 0),
         device=device, seeds=tuple(seeds), text=text,

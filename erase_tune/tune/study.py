@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import optuna
@@ -19,6 +20,7 @@ from optuna.trial import TrialState
 
 from erase_tune.errors import EraseTuneError
 from erase_tune.store import redact_url
+from erase_tune.store.engine import one_line, parse_url
 
 __all__ = [
     "METRIC_NAMES",
@@ -57,6 +59,7 @@ class Attr:
     # study-level
     WORKLOAD = "workload"
     SPACE = "space"
+    GAIN_OVER = "gain_over"
 
 
 def set_ne_constraint(trial: optuna.Trial, ne_gap: float, max_ne_gap: float) -> None:
@@ -82,7 +85,13 @@ def make_sampler(name: str, seed: int | None) -> optuna.samplers.BaseSampler:
     raise EraseTuneError(f"sampler: {name!r} is not one of tpe, nsga2, gp, random")
 
 
-def rdb_storage(url: str) -> optuna.storages.RDBStorage:
+def rdb_storage(url: str, *, must_exist: bool = False) -> optuna.storages.RDBStorage:
+    """Optuna's storage on ``url``; with ``must_exist``, a SQLite file that is not there is an
+    error (a reader with a typo in the path must not create an empty database)."""
+    parsed = parse_url(url)  # one line for a bad or unsupported URL, password masked
+    if must_exist and parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
+        if not Path(parsed.database).is_file():
+            raise EraseTuneError(f"storage {redact_url(url)}: no database file at {parsed.database}")
     kwargs: dict[str, Any] = {}
     if not url.startswith("sqlite"):
         kwargs["pool_pre_ping"] = True
@@ -90,7 +99,8 @@ def rdb_storage(url: str) -> optuna.storages.RDBStorage:
         return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
     except Exception as e:  # noqa: BLE001 - any driver/connection error becomes one line
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise EraseTuneError(f"storage {redact_url(url)}: cannot open: {first.replace(url, redact_url(url))}") from None
+        first = one_line(first.replace(url, redact_url(url)), parsed)  # and no secret the driver quoted
+        raise EraseTuneError(f"storage {redact_url(url)}: cannot open: {first}") from None
 
 
 def open_study(url: str, study_name: str, *, sampler: optuna.samplers.BaseSampler) -> optuna.Study:
@@ -107,7 +117,7 @@ def open_study(url: str, study_name: str, *, sampler: optuna.samplers.BaseSample
 
 def load_study(url: str, study_name: str | None) -> optuna.Study:
     """An existing study; without a name, the only study in the storage."""
-    storage = rdb_storage(url)
+    storage = rdb_storage(url, must_exist=True)
     names = [s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False)]
     if study_name is None:
         if len(names) != 1:
@@ -120,8 +130,12 @@ def load_study(url: str, study_name: str | None) -> optuna.Study:
     return optuna.load_study(study_name=study_name, storage=storage)
 
 
-def objective_values(metrics: dict[str, Any]) -> list[float]:
-    return [float(metrics["gain_p90"]), float(metrics["ne_gap"])]
+def objective_values(metrics: dict[str, Any], gain_over: str = "eager") -> list[float]:
+    """``[qps_gain, ne_gap]`` of a trial's metrics; ``gain_over`` picks the baseline."""
+    gain = metrics["gain_p90"] if gain_over == "eager" else metrics.get("gain_vs_reference")
+    if gain is None:
+        raise EraseTuneError("no whole-step-graph baseline was measured (CPU trial?): gain_over: graph needs CUDA")
+    return [float(gain), float(metrics["ne_gap"])]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -130,7 +144,9 @@ class FrontPoint:
 
     number: int
     qps_gain: float
+    """The study's objective: gain over the baseline the job's ``gain_over`` names."""
     ne_gap: float
+    gain_vs_eager: float | None
     gain_vs_reference: float | None
     gain_detach_only: float | None
     plan: dict[str, Any]
@@ -155,7 +171,7 @@ def pareto_front(study: optuna.Study, max_ne_gap: float | None = None) -> list[F
         seen.add(tuple(t.values))
         m = t.user_attrs.get(Attr.METRICS, {})
         points.append(FrontPoint(number=t.number, qps_gain=t.values[0], ne_gap=t.values[1],
-                                 gain_vs_reference=m.get("gain_vs_reference"),
+                                 gain_vs_eager=m.get("gain_p90"), gain_vs_reference=m.get("gain_vs_reference"),
                                  gain_detach_only=m.get("gain_detach_only"),
                                  plan=t.user_attrs[Attr.PLAN], user_attrs=dict(t.user_attrs)))
     return points

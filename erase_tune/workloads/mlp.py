@@ -161,7 +161,11 @@ def workload(
     seed: int = 0,
 ) -> Workload:
     """The deep-MLP proxy. ``dataset`` is ``"digits"`` (default when scikit-learn is
-    installed) or ``"synthetic"``."""
+    installed) or ``"synthetic"``.
+
+    ``lr=1e-3`` suits widths up to ~128. Wider stacks need less: at width 256 and 512 this
+    30-layer plain MLP collapsed to chance with 1e-3 and trained well with 3e-4 (CPU, digits).
+    """
     args = dict(locals())
     for name in ("batch", "width", "depth", "train_batches", "eval_batches"):
         if args[name] < 1:

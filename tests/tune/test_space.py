@@ -61,6 +61,8 @@ def test_loads():
         (("stream: 3}", "stream: 7}"), "seeds[1].plan.cuts[1].stream: 7 is out of range"),
         (("graph: [false, true]", "graph: maybe"), "cuts.graph: must be true, false, or a list of them"),
         (("workload: {name: ctr, args: {batch: 64}}", "workload: {args: {}}"), "workload.name: required"),
+        (("trials: 8", "trials: 8\ngain_over: fastest"), "gain_over: 'fastest' is not one of eager, graph"),
+        (("trials: 8", "trials: 8\ngain_over: graph\ndevice: cpu"), "gain_over: graph needs CUDA"),
     ],
 )
 def test_bad_spaces_name_file_and_field(edit, needle):
@@ -133,3 +135,14 @@ def test_plan_params_rejects_plans_outside_the_space():
         plan_params(s, ErasePlan(cuts=(Cut(module="over"),)), CANDIDATES)
     with pytest.raises(SpaceError, match="aux_weight: 9.0 is outside"):
         plan_params(s, ErasePlan(cuts=(Cut(module="subarchs.0", aux_weight=9.0),)), CANDIDATES)
+
+
+def test_objective_follows_gain_over():
+    from erase_tune.errors import EraseTuneError
+    from erase_tune.tune.study import objective_values
+
+    metrics = {"gain_p90": 0.5, "gain_vs_reference": 0.05, "ne_gap": 0.01}
+    assert objective_values(metrics, "eager") == [0.5, 0.01]
+    assert objective_values(metrics, "graph") == [0.05, 0.01]
+    with pytest.raises(EraseTuneError, match="needs CUDA"):
+        objective_values({**metrics, "gain_vs_reference": None}, "graph")
