@@ -109,10 +109,16 @@ def start_job(
     if previous is not None and previous != space.gain_over:
         raise EraseTuneError(f"study {name!r} measures qps_gain over the {previous} baseline; this space says "
                              f"{space.gain_over}: use another study name")
+    workload_attr = {"name": space.workload, "args": dict(space.workload_args)}
+    tuned = study.user_attrs.get(Attr.WORKLOAD)
+    if tuned is not None and tuned != workload_attr:
+        # Resuming across workloads would mix incomparable trials (and match repeats across them).
+        raise EraseTuneError(f"study {name!r} tunes workload {tuned['name']} with other arguments than "
+                             f"{space.source}: use another study name")
     # Ray before the job is touched: a cluster that cannot be reached leaves the job as it was.
     executor = RayExecutor(ray_address, slots=slots, device=space.device)
     try:
-        study.set_user_attr(Attr.WORKLOAD, {"name": space.workload, "args": dict(space.workload_args)})
+        study.set_user_attr(Attr.WORKLOAD, workload_attr)
         study.set_user_attr(Attr.MAX_NE_GAP, space.max_ne_gap)
         study.set_user_attr(Attr.GAIN_OVER, space.gain_over)
         job = store.create_job(study_name=name, space_path=str(space_path), space_yaml=space.text,
@@ -246,7 +252,7 @@ class _Driver:
         trial.set_user_attr(Attr.MAX_NE_GAP, self.space.max_ne_gap)
         earlier = self.measured.get(key)
         if earlier is not None:
-            for attr in (Attr.METRICS, Attr.NE_GAP, Attr.DEVICE, Attr.NODE):
+            for attr in (Attr.METRICS, Attr.NE_GAP):  # measured there, not run here: no node/device
                 if attr in earlier.user_attrs:
                     trial.set_user_attr(attr, earlier.user_attrs[attr])
             trial.set_user_attr(Attr.DUPLICATE_OF, earlier.number)
