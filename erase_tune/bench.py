@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import gc
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from erase_tune.errors import EraseTuneError
 from erase_tune.measure import profile_steps, provenance, qps_summary, ratio_spread, time_interleaved
 from erase_tune.runtime import Cut, ErasePlan
 from erase_tune.runtime.device import resolve_device
-from erase_tune.trial import Budget, Variant, build_engine, jsonable_args
+from erase_tune.trial import Budget, Variant, build_engine, jsonable_args, release
 from erase_tune.workloads import Workload, WorkloadData
 
 __all__ = ["BenchRow", "BenchResult", "bench_plans", "run_bench", "disjoint_cuts"]
@@ -177,13 +176,8 @@ def run_bench(
                     report = profile_steps(runners[name], steps=5, start_step=timings.next_step, trace_path=path)
                     overlap[name] = report.overlap_fraction
     finally:
-        for r in runners.values():
-            if isinstance(r, Variant):
-                r.engine.close()
+        release(runners.values(), device)
         runners.clear()
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
 
     batch = workload.batch_size
     rows = []

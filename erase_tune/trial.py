@@ -16,7 +16,7 @@ import dataclasses
 import gc
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -28,7 +28,7 @@ from erase_tune.runtime import EraseEngine, ErasePlan
 from erase_tune.runtime.device import resolve_device
 from erase_tune.workloads import Workload, WorkloadData
 
-__all__ = ["Budget", "VariantResult", "TrialResult", "TrialFailed", "run_trial", "build_engine", "Variant", "jsonable_args"]
+__all__ = ["Budget", "VariantResult", "TrialResult", "TrialFailed", "run_trial", "build_engine", "Variant", "jsonable_args", "release"]
 
 GRAPH_WARMUP = 3
 """Eager steps an engine runs before capturing a CUDA graph (capture happens on the next)."""
@@ -217,12 +217,8 @@ def run_trial(
             if not math.isfinite(ne[name]):
                 raise TrialFailed(f"{name}: held-out NE is {ne[name]}")
     finally:
-        for v in variants.values():
-            v.engine.close()
+        release(variants.values(), device)
         variants.clear()
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
 
     batch = workload.batch_size
     results = {}
@@ -252,6 +248,16 @@ def run_trial(
             baseline_ne_cached=baseline_ne is not None,
         ),
     )
+
+
+def release(runners: Iterable[object], device: torch.device) -> None:
+    """Close the engines among ``runners`` and hand their memory back (trials run back to back)."""
+    for r in runners:
+        if isinstance(r, Variant):
+            r.engine.close()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _check_finite(name: str, variant: Variant) -> None:

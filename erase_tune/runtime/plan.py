@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 from torch import nn
 
+from erase_tune._files import load_yaml, read_text
 from erase_tune.errors import PlanError
 
 __all__ = ["PLAN_VERSION", "DISPATCH_MODES", "Cut", "ErasePlan"]
@@ -266,12 +267,7 @@ class ErasePlan:
     @classmethod
     def loads(cls, text: str, source: str = "<plan>") -> ErasePlan:
         """Parse a plan from YAML text; errors are prefixed with ``source``."""
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f" at line {mark.line + 1}" if mark is not None else ""
-            raise PlanError(f"{source}: not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
+        data = load_yaml(text, source, PlanError)
         try:
             return cls.from_dict(data)
         except PlanError as e:
@@ -284,14 +280,7 @@ class ErasePlan:
     @classmethod
     def load(cls, path: str | Path) -> ErasePlan:
         """Read a plan file; a missing, unreadable or malformed file raises :class:`PlanError`."""
-        p = Path(path)
-        try:
-            text = p.read_text()
-        except FileNotFoundError:
-            raise PlanError(f"{p}: plan file not found") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise PlanError(f"{p}: cannot read plan file: {e}") from None
-        return cls.loads(text, source=str(p))
+        return cls.loads(read_text(path, "plan", PlanError), source=str(path))
 
 
 def _plain(value: Any) -> Any:

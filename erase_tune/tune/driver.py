@@ -235,8 +235,8 @@ class _Driver:
                 finished += 1
             now = time.monotonic()
             for handle in list(self.inflight):
-                if handle.cancel_reason is None and now - handle.started > self.space.budget.timeout_s:
-                    self.executor.cancel(handle, f"timed out after {self.space.budget.timeout_s:.0f}s")
+                if handle.cancel_reason is None and now - handle.started > self.space.timeout_s:
+                    self.executor.cancel(handle, f"timed out after {self.space.timeout_s:.0f}s")
             if now - self.last_heartbeat > HEARTBEAT_EVERY_S:
                 self.heartbeat()
         self.emit("done", f"job {self.study.study_name} done")
@@ -263,7 +263,7 @@ class _Driver:
         trial.set_user_attr(Attr.HEARTBEAT, time.time())
         spec = TrialSpec(trial_number=trial.number, workload=self.space.workload,
                          workload_args=dict(self.space.workload_args), plan=plan.to_dict(),
-                         budget=dataclasses.asdict(self.space.budget.trial_budget(self.space.seed)),
+                         budget=dataclasses.asdict(self.space.budget),
                          baseline_ne=self.baseline_ne.get(self.baseline_key()) if self.env else None)
         handle = self.executor.submit(spec)
         handle.plan_yaml, handle.plan_summary = key, plan.describe()
@@ -336,7 +336,7 @@ class _Driver:
 
     def baseline_key(self) -> str:
         assert self.env is not None
-        args = {**dict(self.space.workload_args), "_budget": dataclasses.asdict(self.space.budget.trial_budget(self.space.seed))}
+        args = {**dict(self.space.workload_args), "_budget": dataclasses.asdict(self.space.budget)}
         return baseline_key(self.space.workload, args, self.env[0], self.env[1])
 
     def heartbeat(self) -> None:

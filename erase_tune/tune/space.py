@@ -20,13 +20,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from erase_tune._files import load_yaml, read_text
 from erase_tune.errors import EraseTuneError, PlanError
 from erase_tune.runtime import DISPATCH_MODES, Cut, ErasePlan
 from erase_tune.trial import Budget
 
-__all__ = ["SearchSpace", "SpaceBudget", "SpaceError", "OBJECTIVES", "GAIN_OVER", "SAMPLERS", "plan_params"]
+__all__ = ["SearchSpace", "SpaceError", "OBJECTIVES", "GAIN_OVER", "SAMPLERS", "plan_params"]
 
 OBJECTIVES = ("qps_gain", "ne_gap")
 """Maximize the p90 QPS gain (over the baseline named by ``gain_over``); minimize the NE gap."""
@@ -39,21 +38,6 @@ SAMPLERS = ("tpe", "nsga2", "gp", "random")
 
 class SpaceError(EraseTuneError, ValueError):
     """A search-space file that is malformed."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class SpaceBudget:
-    """Per-trial budget; ``timeout_s`` bounds a trial's wall time (a hung trial is cancelled)."""
-
-    warmup_steps: int = 8
-    windows: int = 4
-    window_steps: int = 10
-    quality_steps: int = 0
-    timeout_s: float = 600.0
-
-    def trial_budget(self, seed: int) -> Budget:
-        return Budget(warmup_steps=self.warmup_steps, windows=self.windows, window_steps=self.window_steps,
-                      quality_steps=self.quality_steps, seed=seed)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -82,7 +66,10 @@ class SearchSpace:
     """Which baseline ``qps_gain`` is measured against: ``eager`` or ``graph`` (GAIN_OVER)."""
     sampler: str
     sampler_seed: int | None
-    budget: SpaceBudget
+    budget: Budget
+    """Per-trial budget (steps, windows; its seed is the space's ``seed``)."""
+    timeout_s: float
+    """A trial running longer is cancelled and recorded as failed."""
     trials: int
     """Default number of trials a job runs."""
     seed: int
@@ -97,26 +84,14 @@ class SearchSpace:
 
     @classmethod
     def load(cls, path: str | Path) -> SearchSpace:
-        p = Path(path)
-        try:
-            text = p.read_text()
-        except FileNotFoundError:
-            raise SpaceError(f"{p}: search space file not found") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise SpaceError(f"{p}: cannot read search space: {e}") from None
-        return cls.loads(text, source=str(p))
+        return cls.loads(read_text(path, "search space", SpaceError), source=str(path))
 
     @classmethod
     def loads(cls, text: str, source: str = "<space>") -> SearchSpace:
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f" at line {mark.line + 1}" if mark is not None else ""
-            raise SpaceError(f"{source}: not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
+        data = load_yaml(text, source, SpaceError)
         try:
             return _parse(data, source, text)
-        except SpaceError as e:
+        except EraseTuneError as e:
             raise SpaceError(f"{source}: {e}") from None
 
     # -- plans <-> trials --------------------------------------------------------------------
@@ -280,15 +255,12 @@ def _parse(data: Any, source: str, text: str) -> SearchSpace:
     b = data.get("budget") or {}
     if not isinstance(b, Mapping):
         raise SpaceError("budget: must be a mapping")
-    _known(b, {f.name for f in dataclasses.fields(SpaceBudget)}, "budget.")
-    budget = SpaceBudget(
-        warmup_steps=_int(b.get("warmup_steps", 8), "budget.warmup_steps", 5),
-        windows=_int(b.get("windows", 4), "budget.windows", 1),
-        window_steps=_int(b.get("window_steps", 10), "budget.window_steps", 1),
-        quality_steps=_int(b.get("quality_steps", 0), "budget.quality_steps", 0),
-        timeout_s=_float(b.get("timeout_s", 600), "budget.timeout_s"),
-    )
-    if budget.timeout_s <= 0:
+    budget_fields = {"warmup_steps", "windows", "window_steps", "quality_steps", "timeout_s"}
+    _known(b, budget_fields, "budget.")
+    seed = _int(data.get("seed", 0), "seed", 0)
+    budget = Budget(**{k: v for k, v in b.items() if k != "timeout_s"}, seed=seed)
+    timeout_s = _float(b.get("timeout_s", 600), "budget.timeout_s")
+    if timeout_s <= 0:
         raise SpaceError("budget.timeout_s: must be > 0")
 
     if device not in ("auto", "cpu", "cuda"):
@@ -309,8 +281,8 @@ def _parse(data: Any, source: str, text: str) -> SearchSpace:
         source=source, workload=wl["name"], workload_args=dict(args), candidates=tuple(candidates),
         max_streams=max_streams, dispatch=dispatch, graph=graph, whole_step_graph=whole,
         find_unused_parameters=fup, aux_weight=(low, high, log), max_ne_gap=max_ne_gap, gain_over=gain_over,
-        sampler=sampler["name"], sampler_seed=sampler_seed, budget=budget,
-        trials=_int(data.get("trials", 24), "trials", 1), seed=_int(data.get("seed", 0), "seed", 0),
+        sampler=sampler["name"], sampler_seed=sampler_seed, budget=budget, timeout_s=timeout_s,
+        trials=_int(data.get("trials", 24), "trials", 1), seed=seed,
         device=device, seeds=tuple(seeds), text=text,
     )
 
