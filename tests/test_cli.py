@@ -1,0 +1,47 @@
+"""The library commands end to end: ``erase-tune trial`` and ``bench`` on CPU, ``db upgrade``."""
+
+from __future__ import annotations
+
+import json
+
+from erase_tune.cli import main
+from erase_tune.runtime import Cut, ErasePlan
+from erase_tune.store import Store, head_revision
+
+TINY = ["--arg", "batch=64", "--arg", "width=16", "--arg", "depth=2", "--arg", "emb_dim=8", "--arg", "num_tables=8",
+        "--arg", "rows=100", "--arg", "sub_out=8", "--arg", "train_batches=32", "--arg", "eval_batches=4"]
+BUDGET = ["--warmup", "5", "--windows", "2", "--window-steps", "3", "--quality-steps", "10"]
+
+
+def test_trial_table_and_json(tmp_path, capsys):
+    plan = tmp_path / "plan.yaml"
+    ErasePlan(cuts=(Cut(module="subarchs.0", stream=1), Cut(module="subarchs.4")), num_streams=1,
+              dispatch="threaded").save(plan)
+    assert main(["trial", "--workload", "ctr", *TINY, "--plan", str(plan), "--device", "cpu", *BUDGET]) == 0
+    out = capsys.readouterr().out
+    for needle in ("baseline", "candidate", "detach_only", "gain p90", "NE gap", "of which work removed"):
+        assert needle in out, out
+    assert main(["trial", "--workload", "ctr", *TINY, "--plan", str(plan), "--device", "cpu", *BUDGET, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert set(result["variants"]) == {"baseline", "candidate", "detach_only"}  # no graph reference on CPU
+    assert len(result["variants"]["candidate"]["steps_s"]) == 6
+    assert result["provenance"]["workload_args"]["batch"] == 64 and result["provenance"]["torch"]
+    assert 0 < result["ne_baseline"] < 2 and result["gain_vs_reference"] is None
+
+
+def test_bench_table(capsys):
+    assert main(["bench", "--workload", "ctr", *TINY, "--device", "cpu", "--warmup", "5", "--windows", "2",
+                 "--window-steps", "2", "--streams", "2"]) == 0
+    out = capsys.readouterr().out
+    for name in ("plain loop", "eager baseline", "ERASE blocking", "ERASE threaded"):
+        assert name in out
+    assert "graph baseline" not in out  # CUDA-only variants are not offered on the CPU
+
+
+def test_db_upgrade_and_current(tmp_path, capsys):
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    assert main(["db", "upgrade", "--storage", url]) == 0
+    assert head_revision() in capsys.readouterr().out
+    with Store(url) as store:
+        assert store.current_revision() == head_revision()
+    assert main(["db", "current", "--storage", url]) == 0
