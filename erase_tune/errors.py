@@ -21,4 +21,10 @@ class WorkloadError(EraseTuneError, ValueError):
 
 
 class CaptureError(EraseTuneError, RuntimeError):
-    """A workload that cannot be captured in a CUDA graph (dynamic shapes, CPU syncs, ...)."""
+    """A workload that cannot be captured in a CUDA graph (dynamic shapes, CPU syncs, ...).
+
+    After a failed capture (not after a shape mismatch at replay) the process's CUDA RNG can
+    be left in capture state (seen with torch 2.11: the next ``torch.randn`` on the GPU fails
+    with "Offset increment outside graph capture"): restart the process, or train without
+    graphs. erase-tune's trial workers are fresh processes, so a study is not affected.
+    """
