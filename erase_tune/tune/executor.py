@@ -72,7 +72,8 @@ class RayExecutor:
                 if address:
                     ray.init(address=address, log_to_driver=False, logging_level="error")
                 else:
-                    ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=False,
+                    # "local": always a new in-process Ray, even if another cluster runs on this machine.
+                    ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=False,
                              logging_level="error", object_store_memory=256 * 1024**2)
             except (ConnectionError, RuntimeError, ValueError) as e:
                 where = f"at {address!r}" if address else "locally"

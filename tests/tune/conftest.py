@@ -23,7 +23,7 @@ def ray_cluster() -> Iterator[None]:
     import ray
 
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="error",
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="error",
              object_store_memory=256 * 1024**2)
     yield
     ray.shutdown()

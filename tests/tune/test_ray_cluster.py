@@ -40,6 +40,7 @@ def ray_head(tmp_path):
              "--include-dashboard=false", "--disable-usage-stats"],
             stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
+    found = None
     try:
         deadline = time.monotonic() + 90
         while not (found := re.search(r"ray start --address='([^']+)'", log.read_text())):
@@ -50,6 +51,10 @@ def ray_head(tmp_path):
         # The whole group (raylet, GCS, workers) goes; SIGTERM would drain for 30 s first.
         os.killpg(head.pid, signal.SIGKILL)
         head.wait(timeout=30)
+        # `ray start` records the cluster for later `ray.init()` calls; it is gone now.
+        current = Path("/tmp/ray/ray_current_cluster")
+        if found and current.exists() and current.read_text().strip() == found.group(1):
+            current.unlink()
 
 
 def test_start_joins_an_existing_cluster(ray_head, tmp_path):
