@@ -1,5 +1,6 @@
 # Two commands do everything on a fresh machine (each runs the idempotent set-up first):
-#   make demo   - a real tuning job on the CTR smoke space (local Ray, SQLite, CPU if no GPU)
+#   make demo   - a real tuning job on the CTR smoke space (local Ray, SQLite, CPU; one trial at a
+#                 time so two CPU trials do not share the two cores while they are timed)
 #   make test   - the test suite (PostgreSQL tests need a server on 127.0.0.1:5432)
 .PHONY: setup demo test
 
@@ -7,7 +8,7 @@ setup:
 	@bash scripts/setup.sh
 
 demo: setup
-	.venv/bin/erase-tune start --space search_spaces/ctr-smoke.yaml --study demo --trials 8
+	.venv/bin/erase-tune start --space search_spaces/ctr-smoke.yaml --study demo --trials 8 --slots 1
 	.venv/bin/erase-tune status --study demo
 	.venv/bin/erase-tune export --study demo -o best.yaml
 	.venv/bin/python examples/train_ctr.py --plan best.yaml --steps 200

@@ -36,7 +36,7 @@ def test_start_status_export_train(storage_url, ray_cluster, tmp_path, capsys, p
     assert job.status == "finished" and job.n_trials_target == 8
     rows = store.trial_measurements(job)
     assert [r.trial_number for r in rows] == list(range(8))
-    assert all(r.status == "complete" and len(r.samples["candidate"]) == 6 for r in rows)  # 2 windows x 3 steps
+    assert all(r.status == "complete" and len(r.samples["candidate"]) == 20 for r in rows)  # 4 windows x 5 steps
     assert all(r.ray_node for r in rows)
 
     assert run_cli("status", "--study", "svc", "--storage", storage_url) == 0
