@@ -98,6 +98,9 @@ def cmd_trial(ns: argparse.Namespace) -> int:
         print(f"of which work removed (detach only): {result.gain_detach_only:+.2%}")
     if result.gain_vs_reference is not None:
         print(f"vs whole-step-graph baseline: {result.gain_vs_reference:+.2%}")
+    if prov.get("data_passes", 0) > 1:
+        print(f"note: training read its batches {prov['data_passes']:.1f} times (raise the workload's train_batches "
+              "for one pass; a second pass can over-fit and skew NE)")
     return 0
 
 

@@ -246,6 +246,8 @@ def run_trial(
             device, workload=workload.name, workload_args=jsonable_args(workload.args),
             budget=dataclasses.asdict(budget), training_steps=budget.training_steps,
             baseline_ne_cached=baseline_ne is not None,
+            # > 1 means batches were re-read; a CTR proxy over-fits on a second pass, so NE is then suspect.
+            data_passes=round(budget.training_steps / len(data.train), 3),
         ),
     )
 
