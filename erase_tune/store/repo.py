@@ -214,18 +214,19 @@ class Store:
         with self._session() as s:
             return [_job(r) for r in s.scalars(select(JobRow).order_by(JobRow.created_at, JobRow.id))]
 
-    def set_job_status(self, study_name: str, status: str, error: str | None = None) -> Job:
+    def set_job_status(self, study_name: str, status: str, error: str | None = None, *,
+                       n_trials_target: int | None = None) -> Job:
         """Move a job to ``status``. Leaving ``running`` stamps ``finished_at``; going back
-        to ``running`` (a resume) clears it. ``error`` replaces the job's error either way."""
+        to ``running`` (a resume) clears it. ``error`` replaces the job's error either way;
+        ``n_trials_target``, when given, replaces the job's target (a resume asking for more)."""
         if status not in JOB_STATUSES:
             raise ValueError(f"job status {status!r} is not one of {', '.join(JOB_STATUSES)}")
         now = _now()
-        stmt = (
-            update(JobRow)
-            .where(JobRow.study_name == study_name)
-            .values(status=status, error=error, updated_at=now, finished_at=None if status == "running" else now)
-            .returning(JobRow)
-        )
+        values: dict[str, Any] = dict(status=status, error=error, updated_at=now,
+                                      finished_at=None if status == "running" else now)
+        if n_trials_target is not None:
+            values["n_trials_target"] = n_trials_target
+        stmt = update(JobRow).where(JobRow.study_name == study_name).values(**values).returning(JobRow)
         with self._session(write=True) as s:
             row = s.scalars(stmt, execution_options={"synchronize_session": False}).one_or_none()
             if row is None:

@@ -124,8 +124,8 @@ def start_job(
         job = store.create_job(study_name=name, space_path=str(space_path), space_yaml=space.text,
                                workload=space.workload, settings={"storage": redact_url(url), "trials": target},
                                n_trials_target=target, get_or_create=True)
-        if job.status != "running":
-            job = store.set_job_status(name, "running")
+        if job.status != "running" or job.n_trials_target != target:
+            job = store.set_job_status(name, "running", n_trials_target=target)
         if not study.trials:
             for seed_name, params in seeds:
                 study.enqueue_trial(params, user_attrs={Attr.SEED_NAME: seed_name}, skip_if_exists=True)

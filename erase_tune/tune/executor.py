@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import time
 from typing import Any
 
@@ -48,6 +49,17 @@ def _ray_trial(spec: TrialSpec) -> dict[str, Any]:
     return outcome
 
 
+def _check_reachable(address: str) -> None:
+    """Fail in seconds, with one line, where Ray would retry an unreachable head for minutes."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit():
+        raise EraseTuneError(f"--ray-address: {address!r} is not auto or host:port")
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as e:
+        raise EraseTuneError(f"--ray-address: nothing answers at {address} ({e.strerror or e})") from None
+
+
 def _process_start() -> float | None:
     """When this worker process was created (Ray starts one per trial)."""
     try:
@@ -67,6 +79,8 @@ class RayExecutor:
 
         self._ray = ray
         self._started_ray = False
+        if address and address != "auto":
+            _check_reachable(address)
         if not ray.is_initialized():
             try:
                 if address:

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from erase_tune.store import Store
-from tests.tune.conftest import ROOT, run_cli
+from tests.tune.conftest import ROOT, SMOKE, run_cli
 from tests.tune.faulty import write_space
 
 SECRET = "s3cret"
@@ -249,3 +249,18 @@ def test_usage_errors_in_process(capsys, argv, needle):
         run_cli(*argv)
     assert exc.value.code == 2
     one_error_line(capsys.readouterr().err, needle)
+
+
+def test_unreachable_ray_address_fails_fast(tmp_path, capsys):
+    import socket
+    import time
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    started = time.monotonic()
+    code = run_cli("start", "--space", SMOKE, "--study", "nowhere", "--trials", 1,
+                   "--storage", f"sqlite:///{tmp_path / 'r.db'}", "--ray-address", f"127.0.0.1:{port}")
+    assert code == 2 and time.monotonic() - started < 30
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"nothing answers at 127.0.0.1:{port}" in err[0]

@@ -44,6 +44,7 @@ def test_more_trials_resume_the_same_job(storage_url, ray_cluster, tmp_path, cap
         jobs = store.list_jobs()
         assert [j.study_name for j in jobs] == ["grow"]
         assert jobs[0].status == "finished" and jobs[0].finished_at is not None
+        assert jobs[0].n_trials_target == 5  # the resume's target, not the first run's
         assert [r.trial_number for r in store.trial_measurements(jobs[0])] == [0, 1, 2, 3, 4]
 
     # Asking for what the study already holds runs nothing and leaves the job finished.
