@@ -21,7 +21,13 @@ from typing import Any
 import torch
 
 from erase_tune.errors import EraseTuneError
-from erase_tune.measure import profile_steps, provenance, qps_summary, ratio_spread, time_interleaved
+from erase_tune.measure import (
+    profile_steps,
+    provenance,
+    qps_summary,
+    ratio_spread,
+    time_interleaved,
+)
 from erase_tune.runtime import Cut, ErasePlan
 from erase_tune.runtime.device import resolve_device
 from erase_tune.trial import Budget, Variant, build_engine, jsonable_args, release

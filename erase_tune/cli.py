@@ -148,7 +148,7 @@ def cmd_start(ns: argparse.Namespace) -> int:
               f"dispatch = {o['fraction']:.2%} of {o['trial_s']:.1f}s trial time; fresh worker start "
               f"{o['startup_s']:.2f}s more ({o['fraction_with_startup']:.1%} in all)")
     if summary.front:
-        print(f"Pareto front within the NE budget (best first): "
+        print("Pareto front within the NE budget (best first): "
               + ", ".join(f"trial {p.number} {p.qps_gain:+.2%}/{p.ne_gap:+.2%}" for p in summary.front))
     print(f"next: erase-tune status --study {summary.study_name}"
           + (f" --storage '{summary.storage}'" if ns.storage else "")

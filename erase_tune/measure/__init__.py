@@ -14,8 +14,21 @@ from erase_tune.measure.overlap import (
     profile_steps,
 )
 from erase_tune.measure.provenance import provenance
-from erase_tune.measure.stats import QpsSummary, RatioSpread, WindowedSamples, gain, per_step_qps, qps_summary, ratio_spread
-from erase_tune.measure.timing import InterleavedTimings, StepRunner, Timings, time_interleaved
+from erase_tune.measure.stats import (
+    QpsSummary,
+    RatioSpread,
+    WindowedSamples,
+    gain,
+    per_step_qps,
+    qps_summary,
+    ratio_spread,
+)
+from erase_tune.measure.timing import (
+    InterleavedTimings,
+    StepRunner,
+    Timings,
+    time_interleaved,
+)
 
 __all__ = [
     "InterleavedTimings",

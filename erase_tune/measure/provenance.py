@@ -12,7 +12,6 @@ import json
 import os
 import platform
 import socket
-import sys
 from typing import Any
 
 import torch

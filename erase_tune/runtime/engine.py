@@ -24,7 +24,6 @@ become identities while the engine is attached. ``close()`` restores the model.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence

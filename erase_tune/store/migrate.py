@@ -19,12 +19,12 @@ from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 
-from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine
 
+from alembic import command
 from erase_tune.errors import EraseTuneError
 from erase_tune.store.models import VERSION_TABLE
 

@@ -38,7 +38,13 @@ from erase_tune.store.models import (
     JobRow,
     TrialMeasurementRow,
 )
-from erase_tune.store.values import BaselineEntry, Export, Job, TrialMeasurement, json_safe
+from erase_tune.store.values import (
+    BaselineEntry,
+    Export,
+    Job,
+    TrialMeasurement,
+    json_safe,
+)
 
 __all__ = ["Store"]
 

@@ -274,7 +274,6 @@ class _Driver:
     def record(self, handle: TrialHandle, outcome: dict[str, Any]) -> None:
         t0 = time.perf_counter()
         trial = self.inflight.pop(handle)
-        wall = time.monotonic() - handle.started
         plan_yaml = handle.plan_yaml
         for attr, key in ((Attr.DEVICE, "device"), (Attr.NODE, "ray_node"), (Attr.GPU, "gpu_ids"), (Attr.DURATION, "duration_s")):
             if outcome.get(key) is not None:

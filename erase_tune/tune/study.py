@@ -10,8 +10,6 @@ below, so ``status``, ``export`` and the dashboard read one source.
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 

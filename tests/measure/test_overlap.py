@@ -8,7 +8,13 @@ import json
 import pytest
 import torch
 
-from erase_tune.measure import KernelInterval, kernel_intervals_from_trace, merge_intervals, overlap_report, profile_steps
+from erase_tune.measure import (
+    KernelInterval,
+    kernel_intervals_from_trace,
+    merge_intervals,
+    overlap_report,
+    profile_steps,
+)
 
 
 def _kernel(stream, ts, dur, name="k", device=0, cat="kernel"):

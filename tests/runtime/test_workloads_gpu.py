@@ -52,7 +52,7 @@ def test_workload_trains_under_every_mode(name):
         losses = [float(engine.step(*data.batch(i))) for i in range(12)]
         engine.close()
         if engine.capture_retries:
-            warnings.warn(f"{name}/{mode}: whole-step capture needed {engine.capture_retries} retry")
+            warnings.warn(f"{name}/{mode}: whole-step capture needed {engine.capture_retries} retry", stacklevel=1)
         assert all(torch.isfinite(torch.tensor(losses))), (mode, losses)
         weights[mode] = [p.detach().clone() for p in model.parameters()]
     # Same math in every mode: after 12 Adam steps the weights agree up to float noise

@@ -12,6 +12,7 @@ import pytest
 
 from erase_tune.store import Store
 
+
 @pytest.fixture
 def store(storage_url: str) -> Iterator[Store]:
     """A store on an empty, un-migrated database."""

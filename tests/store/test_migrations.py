@@ -16,7 +16,13 @@ from sqlalchemy import create_engine, inspect, text
 from sqlalchemy.pool import NullPool
 
 from erase_tune.errors import EraseTuneError
-from erase_tune.store import VERSION_TABLE, SchemaError, Store, head_revision, upgrade_sql
+from erase_tune.store import (
+    VERSION_TABLE,
+    SchemaError,
+    Store,
+    head_revision,
+    upgrade_sql,
+)
 from erase_tune.store.migrate import scripts_dir
 from erase_tune.store.models import Base, include_name, include_object
 

@@ -6,7 +6,13 @@ import pytest
 from optuna.trial import TrialState
 
 from erase_tune.tune.space import SAMPLERS, SearchSpace
-from erase_tune.tune.study import Attr, make_sampler, open_study, pareto_front, set_ne_constraint
+from erase_tune.tune.study import (
+    Attr,
+    make_sampler,
+    open_study,
+    pareto_front,
+    set_ne_constraint,
+)
 from tests.tune.test_space import CANDIDATES, SPACE
 
 
