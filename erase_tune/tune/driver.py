@@ -118,6 +118,9 @@ def start_job(
     # Ray before the job is touched: a cluster that cannot be reached leaves the job as it was.
     executor = RayExecutor(ray_address, slots=slots, device=space.device)
     try:
+        if space.gain_over == "graph" and executor.device != "cuda":
+            raise EraseTuneError(f"{space.source}: gain_over: graph needs GPU trial slots, and this Ray cluster has "
+                                 "none (use gain_over: eager, or a cluster with GPUs)")
         study.set_user_attr(Attr.WORKLOAD, workload_attr)
         study.set_user_attr(Attr.MAX_NE_GAP, space.max_ne_gap)
         study.set_user_attr(Attr.GAIN_OVER, space.gain_over)

@@ -264,3 +264,12 @@ def test_unreachable_ray_address_fails_fast(tmp_path, capsys):
     assert code == 2 and time.monotonic() - started < 30
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"nothing answers at 127.0.0.1:{port}" in err[0]
+
+
+def test_a_gpu_space_on_a_cluster_without_gpus_is_refused_before_anything_runs(ray_cluster, tmp_path, capsys):
+    url = f"sqlite:///{tmp_path / 'g.db'}"
+    assert run_cli("start", "--space", ROOT / "search_spaces" / "ctr.yaml", "--study", "g", "--trials", 1,
+                   "--storage", url) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "gain_over: graph needs GPU trial slots" in err[0]
+    assert optuna.load_study(study_name="g", storage=url).trials == []
