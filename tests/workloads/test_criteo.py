@@ -13,6 +13,7 @@ import torch
 from erase_tune.errors import WorkloadError
 from erase_tune.workloads import get_workload
 from erase_tune.workloads.criteo import load_criteo_tsv
+from tests.workloads.training import train
 
 
 def _line(label: str, ints: list[str], cats: list[str]) -> str:
@@ -90,15 +91,7 @@ def test_ctr_workload_trains_on_a_tsv(tmp_path: Path) -> None:
     assert len(data.train) == 7 and all(len(y) == 32 for _, y in data.train)
     assert sum(len(y) for _, y in data.eval) == 60
     model = wl.build_model()
-    opt = wl.optimizer(model.parameters())
-    losses = []
-    for step in range(10):
-        inputs, target = data.batch(step)
-        loss = wl.loss_fn(model(*inputs), target)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = train(wl, data, model, 10)
     assert all(math.isfinite(x) for x in losses)
     assert math.isfinite(wl.normalized_entropy(model, data))
 

@@ -8,6 +8,7 @@ import torch
 
 from erase_tune.workloads import get_workload
 from erase_tune.workloads.gpt import GPT, stdlib_text
+from tests.workloads.training import train
 
 CPU = torch.device("cpu")
 SMALL = {"batch": 4, "seq_len": 32, "n_layer": 3, "n_head": 2, "n_embd": 32, "train_batches": 6, "eval_batches": 2}
@@ -78,11 +79,6 @@ def test_few_steps_reduce_loss() -> None:
     opt = wl.optimizer(model.parameters())
     assert isinstance(opt, torch.optim.AdamW)
     before = wl.normalized_entropy(model, data)
-    for step in range(30):
-        inputs, target = data.batch(step)
-        loss = wl.loss_fn(model(*inputs), target)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    train(wl, data, model, 30, opt)
     after = wl.normalized_entropy(model, data)
     assert after < before and after < 1.0  # better than the byte-frequency prior

@@ -10,9 +10,9 @@ import torch
 from erase_tune.errors import WorkloadError
 from erase_tune.workloads import get_workload
 from erase_tune.workloads.mlp import DeepMLP, cut_candidates
+from tests.workloads.training import train
 
 CPU = torch.device("cpu")
-HAVE_SKLEARN = importlib.util.find_spec("sklearn") is not None
 
 
 def test_cut_candidates() -> None:
@@ -26,8 +26,6 @@ def test_cut_candidates() -> None:
 
 @pytest.mark.parametrize("dataset", ["digits", "synthetic"])
 def test_shapes_and_determinism(dataset: str) -> None:
-    if dataset == "digits" and not HAVE_SKLEARN:
-        pytest.skip("scikit-learn is not installed")
     wl = get_workload("mlp", {"dataset": dataset, "depth": 6, "batch": 64})
     assert wl.args["dataset"] == dataset
     model = wl.build_model()
@@ -45,7 +43,6 @@ def test_shapes_and_determinism(dataset: str) -> None:
         assert name.split(":")[0] in dict(model.named_modules())
 
 
-@pytest.mark.skipif(not HAVE_SKLEARN, reason="scikit-learn is not installed")
 def test_digits_held_out_is_separate() -> None:
     wl = get_workload("mlp", {"batch": 128})
     data = wl.make_data(CPU)
@@ -66,16 +63,10 @@ def test_digits_without_sklearn_is_an_error(monkeypatch: pytest.MonkeyPatch) -> 
 
 @pytest.mark.parametrize("layer_norm", [True, False])
 def test_few_steps_reduce_loss(layer_norm: bool) -> None:
-    wl = get_workload("mlp", {"layer_norm": layer_norm, "dataset": "digits" if HAVE_SKLEARN else "synthetic"})
+    wl = get_workload("mlp", {"layer_norm": layer_norm, "dataset": "digits"})
     data = wl.make_data(CPU)
     model = wl.build_model()
-    opt = wl.optimizer(model.parameters())
     before = wl.normalized_entropy(model, data)
-    for step in range(40):
-        inputs, target = data.batch(step)
-        loss = wl.loss_fn(model(*inputs), target)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    train(wl, data, model, 40)
     after = wl.normalized_entropy(model, data)
     assert after < before and after < 0.8
