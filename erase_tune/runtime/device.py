@@ -32,21 +32,22 @@ Stream = "torch.cuda.Stream | None"
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
     """``None``/``"auto"`` picks CUDA when available; ``"cuda"`` without a GPU is an error."""
-    from erase_tune.errors import EraseTuneError
+    from erase_tune.errors import EraseTuneError, one_line, shown
 
     if device is None or device == "auto":
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
-        raise EraseTuneError(f"device: {device!r} is not a device ({e})") from None
+        # torch's message quotes the whole string: cut it, a 10 kB --device is one line still
+        raise EraseTuneError(f"device: {shown(device)} is not a device ({one_line(str(e), 200)})") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise EraseTuneError("device: cuda asked for, but no CUDA device is available here")
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
     elif dev.type != "cpu":
-        raise EraseTuneError(f"device: {device!r} is not supported (cpu or cuda)")
+        raise EraseTuneError(f"device: {shown(device)} is not supported (cpu or cuda)")
     return dev
 
 

@@ -4,9 +4,18 @@ A plan is what `erase-tune export` writes and production training loads. It is a
 versioned, validated dataclass; YAML is read with ``yaml.safe_load`` only, so loading a plan
 never executes code from the file. Every error names the field (and the file) at fault.
 
-A cut target is either a dotted submodule name (``subarchs.0``) or a run of consecutive
-blocks of a ``ModuleList``/``Sequential`` written ``blocks.2:5`` (blocks 2, 3 and 4, which
-the parent must call as a chain: each block on the previous block's output).
+A target (of a cut or a placement) is either a dotted submodule name (``subarchs.0``) or a
+run of consecutive blocks of a ``ModuleList``/``Sequential`` written ``blocks.2:5`` (blocks
+2, 3 and 4, which the parent must call as a chain: each block on the previous block's output).
+
+A *cut* detaches its target and gives it a local loss; a *placement* only runs its target's
+forward on a side stream, without detaching anything, so it never changes a gradient
+(autograd runs each op's backward on the stream its forward ran on).
+
+Plan files come from users, so every size is bounded before any work that grows with it:
+at most :data:`MAX_TARGETS` cuts and placements, runs of at most :data:`MAX_RUN` blocks
+(overlap is decided on intervals, never by listing a run's members) and at most
+:data:`MAX_STREAMS` side streams.
 """
 
 from __future__ import annotations
@@ -22,9 +31,19 @@ import yaml
 from torch import nn
 
 from erase_tune._files import load_yaml, read_text
-from erase_tune.errors import PlanError
+from erase_tune.errors import PlanError, one_line, shown
 
-__all__ = ["PLAN_VERSION", "DISPATCH_MODES", "Cut", "ErasePlan"]
+__all__ = [
+    "PLAN_VERSION",
+    "DISPATCH_MODES",
+    "MAX_TARGETS",
+    "MAX_STREAMS",
+    "MAX_RUN",
+    "Cut",
+    "Placement",
+    "ErasePlan",
+    "targets_overlap",
+]
 
 PLAN_VERSION = 1
 DISPATCH_MODES = ("blocking", "threaded", "deferred")
@@ -32,9 +51,107 @@ DISPATCH_MODES = ("blocking", "threaded", "deferred")
 ``threaded``: a worker thread launches it, so the main thread keeps dispatching forward work.
 ``deferred``: no early launch; aux losses join the main loss in one backward at the end
 (the "detach only" twin of a plan: same work removed, no overlap)."""
+MAX_TARGETS = 1024
+"""Most cuts and placements, together, in one plan."""
+MAX_STREAMS = 64
+"""Most side streams a plan may ask for (each is a CUDA stream the engine creates)."""
+MAX_RUN = 100_000
+"""Most blocks in one run ``parent.start:stop``."""
 
-_RUN = re.compile(r"^(?P<parent>[A-Za-z_][\w.]*)\.(?P<start>\d+):(?P<stop>\d+)$")
-_NAME = re.compile(r"^[A-Za-z_0-9][\w]*(\.[\w]+)*$")
+_INDEX_DIGITS = 9  # run bounds below 10**9: int() of a digit string stays cheap
+_RUN = re.compile(r"^(?P<parent>\w+(?:\.\w+)*)\.(?P<start>[0-9]+):(?P<stop>[0-9]+)$")
+_NAME = re.compile(r"^\w+(?:\.\w+)*$")
+_FIELD = re.compile(r"^\w{1,40}$")
+
+_Target = tuple[tuple[str, ...], "tuple[int, int] | None"]  # dotted path (a run's parent), run bounds
+
+
+def _parse(module: str) -> _Target:
+    """Parse a target already checked by :func:`_check_target`."""
+    run = _RUN.match(module)
+    if run:
+        return tuple(run["parent"].split(".")), (int(run["start"]), int(run["stop"]))
+    return tuple(module.split(".")), None
+
+
+def _check_target(module: Any) -> None:
+    """Raise ``PlanError("module: ...")`` unless ``module`` is a name or a bounded, non-empty run."""
+    if not isinstance(module, str) or not module:
+        raise PlanError(f"module: {shown(module)} must be a non-empty string")
+    run = _RUN.match(module)
+    if not run:
+        if not _NAME.match(module):
+            raise PlanError(f"module: {shown(module)} is neither a dotted module name nor a run 'parent.start:stop'")
+        return
+    if len(run["start"]) > _INDEX_DIGITS or len(run["stop"]) > _INDEX_DIGITS:
+        raise PlanError(f"module: run {shown(module)} has a bound of more than {_INDEX_DIGITS} digits")
+    start, stop = int(run["start"]), int(run["stop"])
+    if start >= stop:
+        raise PlanError(f"module: run {shown(module)} is empty (start must be < stop)")
+    if stop - start > MAX_RUN:
+        raise PlanError(f"module: run {shown(module)} has {stop - start} blocks, more than the limit of {MAX_RUN}")
+
+
+def _members(module: str) -> tuple[str, ...]:
+    """The submodule names a target covers, in call order (only for a run checked against a model)."""
+    (parent, run) = _parse(module)
+    if run is None:
+        return (module,)
+    prefix = ".".join(parent)
+    return tuple(f"{prefix}.{i}" for i in range(*run))
+
+
+def _index(component: str) -> int:
+    """A path component as a block index, or -1 if it cannot be one."""
+    if component.isascii() and component.isdigit() and len(component) <= _INDEX_DIGITS:
+        return int(component)
+    return -1
+
+
+def _overlap(a: _Target, b: _Target) -> bool:
+    (p, r), (q, s) = a, b
+    if r is None and s is None:  # two names: one is the other or contains it
+        n = min(len(p), len(q))
+        return p[:n] == q[:n]
+    if r is None:
+        (p, r), (q, s) = (q, s), (p, r)
+    k = len(p)  # from here (p, r) is a run
+    if s is None:  # a name: the run's parent or above, or inside one of the run's blocks
+        if len(q) <= k:
+            return q == p[: len(q)]
+        return q[:k] == p and r[0] <= _index(q[k]) < r[1]
+    m = len(q)
+    if m == k:
+        return p == q and r[0] < s[1] and s[0] < r[1]
+    if m > k:  # the other run lies inside one of this run's blocks, or elsewhere
+        return q[:k] == p and r[0] <= _index(q[k]) < r[1]
+    return p[:m] == q and s[0] <= _index(p[m]) < s[1]
+
+
+def targets_overlap(a: str, b: str) -> bool:
+    """Whether two targets (names or runs) share a module: one contains, is, or is inside the other.
+
+    Decided from the names alone, in time independent of run lengths. A target that is not
+    a valid name or run raises :class:`PlanError`.
+    """
+    for t in (a, b):
+        _check_target(t)
+    return _overlap(_parse(a), _parse(b))
+
+
+def _first_overlap(targets: Sequence[str]) -> tuple[int, int] | None:
+    """The first ``(j, i)``, ``i < j``, whose targets overlap; ``None`` if all are disjoint."""
+    parsed = [_parse(t) for t in targets]
+    for j, tj in enumerate(parsed):
+        for i in range(j):
+            if _overlap(tj, parsed[i]):
+                return j, i
+    return None
+
+
+def _check_stream(value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= MAX_STREAMS:
+        raise PlanError(f"stream: {shown(value)} must be an integer in {low}..{MAX_STREAMS}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -51,22 +168,20 @@ class Cut:
     """Capture the piece's forward + local loss + backward as its own CUDA graph."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.module, str) or not self.module:
-            raise PlanError("module: must be a non-empty string")
-        if not (_RUN.match(self.module) or _NAME.match(self.module)):
-            raise PlanError(f"module: {self.module!r} is neither a dotted module name nor a run 'parent.start:stop'")
-        run = _RUN.match(self.module)
-        if run and int(run["start"]) >= int(run["stop"]):
-            raise PlanError(f"module: run {self.module!r} is empty (start must be < stop)")
-        if isinstance(self.stream, bool) or not isinstance(self.stream, int) or self.stream < 0:
-            raise PlanError(f"stream: {self.stream!r} must be an integer >= 0")
-        if isinstance(self.aux_weight, bool) or not isinstance(self.aux_weight, (int, float)):
-            raise PlanError(f"aux_weight: {self.aux_weight!r} must be a number")
-        if not math.isfinite(self.aux_weight) or self.aux_weight <= 0:
-            raise PlanError(f"aux_weight: {self.aux_weight!r} must be a finite number > 0")
-        object.__setattr__(self, "aux_weight", float(self.aux_weight))
+        _check_target(self.module)
+        _check_stream(self.stream, 0)
+        weight = self.aux_weight
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+            raise PlanError(f"aux_weight: {shown(weight)} must be a number")
+        try:
+            weight = float(weight)
+        except OverflowError:
+            weight = math.inf
+        if not math.isfinite(weight) or weight <= 0:
+            raise PlanError(f"aux_weight: {shown(self.aux_weight)} must be a finite number > 0")
+        object.__setattr__(self, "aux_weight", weight)
         if not isinstance(self.graph, bool):
-            raise PlanError(f"graph: {self.graph!r} must be true or false")
+            raise PlanError(f"graph: {shown(self.graph)} must be true or false")
 
     @property
     def name(self) -> str:
@@ -75,21 +190,46 @@ class Cut:
 
     @property
     def members(self) -> tuple[str, ...]:
-        """The submodule names this cut covers, in call order."""
-        run = _RUN.match(self.module)
-        if not run:
-            return (self.module,)
-        return tuple(f"{run['parent']}.{i}" for i in range(int(run["start"]), int(run["stop"])))
+        """The submodule names this cut covers, in call order (for a plan checked against its model)."""
+        return _members(self.module)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Placement:
+    """A piece run on a side stream as it is: not detached, no aux head, gradients unchanged."""
+
+    module: str
+    """Dotted submodule name (``subarchs.2``) or a run of blocks ``blocks.2:5``."""
+    stream: int
+    """The side stream, ``1..num_streams`` (0, the main stream, would place nothing)."""
+
+    def __post_init__(self) -> None:
+        _check_target(self.module)
+        if self.stream == 0 and not isinstance(self.stream, bool):
+            raise PlanError("stream: 0 is the main stream; a placement needs a side stream 1..num_streams")
+        _check_stream(self.stream, 1)
+
+    @property
+    def name(self) -> str:
+        """The placement's name: its module target, as written."""
+        return self.module
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """The submodule names this placement covers, in call order (for a checked plan)."""
+        return _members(self.module)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ErasePlan:
-    """Where and how ERASE detaches a model. A plan with no cuts is plain training."""
+    """Where and how ERASE detaches a model. A plan with no cuts and no placements is plain training."""
 
     cuts: tuple[Cut, ...] = ()
-    """The detached pieces, in any order; no two may overlap."""
+    """The detached pieces, in any order; no two targets (cuts or placements) may overlap."""
+    placements: tuple[Placement, ...] = ()
+    """Pieces run on a side stream without detaching them."""
     num_streams: int = 0
-    """Number of side CUDA streams the cuts may use (0: everything on the main stream)."""
+    """Number of side CUDA streams cuts and placements may use (0: everything on the main stream)."""
     dispatch: str = "blocking"
     """Who launches early backward: ``blocking``, ``threaded`` or ``deferred`` (see DISPATCH_MODES)."""
     whole_step_graph: bool = False
@@ -97,116 +237,112 @@ class ErasePlan:
     CUDA graph. Launch order is then fixed at capture, so dispatch and per-cut graph flags
     have no effect (capture always runs blocking)."""
     find_unused_parameters: bool = False
-    """DDP's find_unused_parameters, for multi-GPU trials."""
+    """Under a process group (``EraseEngine(..., process_group=pg)``), when gradients are
+    averaged across ranks. ``true``: all of them at once, after the main backward. ``false``:
+    each cut's own parameters (and its aux head's) as soon as that cut's local backward is
+    done, asynchronously on the cut's stream, in plan order; the rest after the main backward.
+    Named after DDP's flag (the paper's FUP), but the engine does its own reduction and never
+    traverses the autograd graph. No effect without a process group."""
     version: int = PLAN_VERSION
     """Plan file format version."""
     provenance: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    """Where the plan came from (study, trial, measured gain, device, versions); informational."""
+    """Where the plan came from (study, trial, measured gain, device, versions); informational.
+    Plain data only: scalars, or one level of mapping or list of scalars."""
 
     def __post_init__(self) -> None:
-        if self.version != PLAN_VERSION:
-            raise PlanError(f"version: {self.version!r} is not supported (this erase-tune reads version {PLAN_VERSION})")
-        cuts = self.cuts
-        if isinstance(cuts, (str, bytes)) or not isinstance(cuts, Sequence):
-            raise PlanError("cuts: must be a list of cuts")
-        cuts = tuple(cuts)
-        for i, cut in enumerate(cuts):
-            if not isinstance(cut, Cut):
-                raise PlanError(f"cuts[{i}]: must be a Cut, got {type(cut).__name__}")
+        if type(self.version) is not int or self.version != PLAN_VERSION:  # 1.0 and true are not versions
+            raise PlanError(f"version: {shown(self.version)} is not supported (this erase-tune reads version {PLAN_VERSION})")
+        cuts = _items(self.cuts, "cuts", Cut)
+        placements = _items(self.placements, "placements", Placement)
+        if len(cuts) + len(placements) > MAX_TARGETS:
+            raise PlanError(f"cuts: {len(cuts)} cuts and {len(placements)} placements, more than the limit of {MAX_TARGETS}")
         object.__setattr__(self, "cuts", cuts)
-        if isinstance(self.num_streams, bool) or not isinstance(self.num_streams, int) or self.num_streams < 0:
-            raise PlanError(f"num_streams: {self.num_streams!r} must be an integer >= 0")
+        object.__setattr__(self, "placements", placements)
+        n = self.num_streams
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_STREAMS:
+            raise PlanError(f"num_streams: {shown(n)} must be an integer in 0..{MAX_STREAMS}")
         if self.dispatch not in DISPATCH_MODES:
-            raise PlanError(f"dispatch: {self.dispatch!r} is not one of {', '.join(DISPATCH_MODES)}")
+            raise PlanError(f"dispatch: {shown(self.dispatch)} is not one of {', '.join(DISPATCH_MODES)}")
         for name in ("whole_step_graph", "find_unused_parameters"):
             if not isinstance(getattr(self, name), bool):
-                raise PlanError(f"{name}: {getattr(self, name)!r} must be true or false")
-        if not isinstance(self.provenance, Mapping):
-            raise PlanError("provenance: must be a mapping")
-        object.__setattr__(self, "provenance", dict(self.provenance))
-        owner: dict[str, int] = {}
+                raise PlanError(f"{name}: {shown(getattr(self, name))} must be true or false")
+        object.__setattr__(self, "provenance", _plain_provenance(self.provenance))
         for i, cut in enumerate(cuts):
             if cut.graph and self.dispatch == "deferred":
                 raise PlanError(
                     f"cuts[{i}].graph: a per-cut graph captures the cut's backward with its forward, "
                     "so it cannot be deferred (dispatch: deferred)"
                 )
-            if cut.stream > self.num_streams:
-                raise PlanError(
-                    f"cuts[{i}].stream: {cut.stream} is out of range 0..{self.num_streams} (num_streams={self.num_streams})"
-                )
-            for member in cut.members:
-                for other, j in owner.items():
-                    if member == other or member.startswith(other + ".") or other.startswith(member + "."):
-                        raise PlanError(f"cuts[{i}].module: {cut.module!r} overlaps cuts[{j}].module {cuts[j].module!r}")
-            for member in cut.members:
-                owner[member] = i
+        for label, target in self._labelled():
+            if target.stream > n:
+                low = 0 if isinstance(target, Cut) else 1
+                raise PlanError(f"{label}.stream: {target.stream} is out of range {low}..{n} (num_streams={n})")
+        self._check_disjoint()
+
+    def _labelled(self) -> list[tuple[str, Cut | Placement]]:
+        return [(f"cuts[{i}]", c) for i, c in enumerate(self.cuts)] + [
+            (f"placements[{i}]", p) for i, p in enumerate(self.placements)
+        ]
+
+    def _check_disjoint(self) -> None:
+        labelled = self._labelled()
+        found = _first_overlap([t.module for _, t in labelled])
+        if found is not None:
+            (lj, tj), (li, ti) = labelled[found[0]], labelled[found[1]]
+            raise PlanError(f"{lj}.module: {shown(tj.module)} overlaps {li}.module {shown(ti.module)}")
 
     # -- derived plans ---------------------------------------------------------------------
 
     def detach_only(self) -> ErasePlan:
-        """The same cuts and aux heads with no early launch: one stream, one backward at the end."""
+        """The same cuts and aux heads with no early launch and no side streams: one stream,
+        one backward at the end (placements, which only move work between streams, are dropped)."""
         cuts = tuple(dataclasses.replace(c, stream=0, graph=False) for c in self.cuts)
-        return dataclasses.replace(self, cuts=cuts, num_streams=0, dispatch="deferred")
+        return dataclasses.replace(self, cuts=cuts, placements=(), num_streams=0, dispatch="deferred")
 
     def without_cuts(self) -> ErasePlan:
-        """This plan's execution settings (e.g. whole-step graph) with nothing detached."""
-        return dataclasses.replace(self, cuts=(), num_streams=0, dispatch="blocking")
+        """This plan's execution settings (e.g. whole-step graph) with nothing detached or placed."""
+        return dataclasses.replace(self, cuts=(), placements=(), num_streams=0, dispatch="blocking")
 
     def canonical(self) -> ErasePlan:
         """One representative of the plans that run identically.
 
-        Side-stream ids are renumbered by first use in cut order and unused streams dropped
-        (stream ids are interchangeable); with a whole-step graph, dispatch and per-cut graph
-        flags are reset since they have no effect there; cuts are sorted by target.
+        Side-stream ids are renumbered by first use over cuts and placements together, in
+        target order, and unused streams dropped (stream ids are interchangeable); with a
+        whole-step graph, dispatch and per-cut graph flags are reset since they have no
+        effect there; cuts and placements are sorted by target.
         """
         cuts = sorted(self.cuts, key=lambda c: c.module)
+        placements = sorted(self.placements, key=lambda p: p.module)
         remap: dict[int, int] = {}
-        for c in cuts:
-            if c.stream and c.stream not in remap:
-                remap[c.stream] = len(remap) + 1
+        for t in sorted([*cuts, *placements], key=lambda t: t.module):
+            if t.stream and t.stream not in remap:
+                remap[t.stream] = len(remap) + 1
         graph_ok = not self.whole_step_graph
-        cuts = tuple(
+        new_cuts = tuple(
             dataclasses.replace(c, stream=remap.get(c.stream, 0), graph=c.graph and graph_ok) for c in cuts
         )
+        new_placements = tuple(dataclasses.replace(p, stream=remap[p.stream]) for p in placements)
         dispatch = "blocking" if self.whole_step_graph and self.dispatch != "deferred" else self.dispatch
-        if not cuts:
+        if not new_cuts:
             dispatch = "blocking"
-        return dataclasses.replace(self, cuts=cuts, num_streams=len(remap), dispatch=dispatch)
+        return dataclasses.replace(self, cuts=new_cuts, placements=new_placements, num_streams=len(remap),
+                                   dispatch=dispatch)
 
     def describe(self) -> str:
         """A one-line summary for tables and logs."""
-        if not self.cuts:
-            what = "no cuts"
-        else:
-            what = ", ".join(f"{c.module}@s{c.stream}{'+g' if c.graph else ''}" for c in self.cuts)
+        parts = [f"{c.module}@s{c.stream}{'+g' if c.graph else ''}" for c in self.cuts]
+        parts += [f"{p.module}@s{p.stream}(placed)" for p in self.placements]
+        what = ", ".join(parts) if parts else "no cuts"
         graph = ", whole-step graph" if self.whole_step_graph else ""
         return f"{what}; {self.num_streams} side stream(s), {self.dispatch}{graph}"
 
     # -- checks against a model --------------------------------------------------------------
 
     def check_model(self, model: nn.Module) -> None:
-        """Raise :class:`PlanError` if a cut names a module ``model`` lacks or a malformed run."""
+        """Raise :class:`PlanError` if a target names a module ``model`` lacks or a malformed run."""
         modules = dict(model.named_modules())
-        for i, cut in enumerate(self.cuts):
-            run = _RUN.match(cut.module)
-            if run:
-                parent = modules.get(run["parent"])
-                if not isinstance(parent, (nn.ModuleList, nn.Sequential)):
-                    raise PlanError(
-                        f"cuts[{i}].module: {run['parent']!r} is not a ModuleList or Sequential in "
-                        f"{type(model).__name__}, so {cut.module!r} is not a run of blocks"
-                    )
-                if int(run["stop"]) > len(parent):
-                    raise PlanError(
-                        f"cuts[{i}].module: run {cut.module!r} ends past {run['parent']!r}, which has {len(parent)} blocks"
-                    )
-            elif cut.module not in modules:
-                near = sorted(n for n in modules if n and n.count(".") <= cut.module.count("."))[:12]
-                raise PlanError(
-                    f"cuts[{i}].module: {type(model).__name__} has no submodule {cut.module!r}"
-                    f" (some it has: {', '.join(near)})"
-                )
+        for label, target in self._labelled():
+            _check_in_model(f"{label}.module", target.module, modules, type(model).__name__)
 
     # -- (de)serialisation ---------------------------------------------------------------
 
@@ -220,8 +356,10 @@ class ErasePlan:
             "find_unused_parameters": self.find_unused_parameters,
             "cuts": [dataclasses.asdict(c) for c in self.cuts],
         }
+        if self.placements:  # absent when empty: plans without placements keep their old text
+            out["placements"] = [dataclasses.asdict(p) for p in self.placements]
         if self.provenance:
-            out["provenance"] = _plain(self.provenance)
+            out["provenance"] = _plain_provenance(self.provenance)
         return out
 
     @classmethod
@@ -229,33 +367,10 @@ class ErasePlan:
         """Build a plan from parsed YAML/JSON, refusing unknown or mistyped fields."""
         if not isinstance(data, Mapping):
             raise PlanError(f"a plan must be a mapping of fields, got {type(data).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise PlanError(f"{unknown[0]}: unknown field (fields are: {', '.join(sorted(known))})")
+        _known_fields(data, {f.name for f in dataclasses.fields(cls)}, "")
         fields = dict(data)
-        raw_cuts = fields.get("cuts", [])
-        if raw_cuts is None:
-            raw_cuts = []
-        if not isinstance(raw_cuts, list):
-            raise PlanError("cuts: must be a list of cuts")
-        cut_fields = {f.name for f in dataclasses.fields(Cut)}
-        cuts = []
-        for i, raw in enumerate(raw_cuts):
-            if isinstance(raw, str):
-                raw = {"module": raw}
-            if not isinstance(raw, Mapping):
-                raise PlanError(f"cuts[{i}]: must be a mapping with at least 'module'")
-            bad = sorted(set(raw) - cut_fields)
-            if bad:
-                raise PlanError(f"cuts[{i}].{bad[0]}: unknown field (fields are: {', '.join(sorted(cut_fields))})")
-            if "module" not in raw:
-                raise PlanError(f"cuts[{i}].module: missing")
-            try:
-                cuts.append(Cut(**raw))
-            except PlanError as e:
-                raise PlanError(f"cuts[{i}].{e}") from None
-        fields["cuts"] = tuple(cuts)
+        fields["cuts"] = _read_targets(fields.get("cuts"), "cuts", Cut, bare=True)
+        fields["placements"] = _read_targets(fields.get("placements"), "placements", Placement, bare=False)
         if fields.get("provenance") is None:
             fields.pop("provenance", None)
         return cls(**fields)
@@ -271,7 +386,7 @@ class ErasePlan:
         try:
             return cls.from_dict(data)
         except PlanError as e:
-            raise PlanError(f"{source}: {e}") from None
+            raise PlanError(f"{one_line(source, 300)}: {e}") from None
 
     def save(self, path: str | Path) -> None:
         """Write the plan to ``path`` as YAML."""
@@ -279,14 +394,113 @@ class ErasePlan:
 
     @classmethod
     def load(cls, path: str | Path) -> ErasePlan:
-        """Read a plan file; a missing, unreadable or malformed file raises :class:`PlanError`."""
+        """Read a plan file; a missing, unreadable, oversized or malformed file raises :class:`PlanError`."""
         return cls.loads(read_text(path, "plan", PlanError), source=str(path))
 
 
-def _plain(value: Any) -> Any:
-    """Mappings and sequences as plain dicts and lists, for YAML."""
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
+def _items(value: Any, field: str, kind: type) -> tuple:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise PlanError(f"{field}: must be a list of {kind.__name__.lower()}s")
+    if len(value) > MAX_TARGETS:
+        raise PlanError(f"{field}: {len(value)} entries, more than the limit of {MAX_TARGETS}")
+    items = tuple(value)
+    for i, item in enumerate(items):
+        if not isinstance(item, kind):
+            raise PlanError(f"{field}[{i}]: must be a {kind.__name__}, got {type(item).__name__}")
+    return items
+
+
+def _field_name(key: Any) -> str:
+    return key if isinstance(key, str) and _FIELD.match(key) else shown(key)
+
+
+def _known_fields(data: Mapping, known: set[str], where: str) -> None:
+    """Raise PlanError for the first key of ``data`` that is not a field name in ``known``."""
+    for key in data:
+        if not isinstance(key, str) or key not in known:
+            raise PlanError(f"{where}{_field_name(key)}: unknown field (fields are: {', '.join(sorted(known))})")
+
+
+def _read_targets(raw: Any, field: str, kind: type, *, bare: bool) -> tuple:
+    """Cuts or placements from parsed data; ``bare``: a plain string stands for ``{module: ...}``."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise PlanError(f"{field}: must be a list of {field}")
+    if len(raw) > MAX_TARGETS:
+        raise PlanError(f"{field}: {len(raw)} entries, more than the limit of {MAX_TARGETS}")
+    names = {f.name for f in dataclasses.fields(kind)}
+    out = []
+    for i, entry in enumerate(raw):
+        if bare and isinstance(entry, str):
+            entry = {"module": entry}
+        if not isinstance(entry, Mapping):
+            need = "at least 'module'" if bare else "'module' and 'stream'"
+            raise PlanError(f"{field}[{i}]: must be a mapping with {need}")
+        _known_fields(entry, names, f"{field}[{i}].")
+        for required in ("module",) if bare else ("module", "stream"):
+            if required not in entry:
+                raise PlanError(f"{field}[{i}].{required}: missing")
+        try:
+            out.append(kind(**entry))
+        except PlanError as e:
+            raise PlanError(f"{field}[{i}].{e}") from None
+    return tuple(out)
+
+
+def _check_in_model(label: str, module: str, modules: Mapping[str, nn.Module], model_name: str) -> None:
+    parent, run = _parse(module)
+    if run is not None:
+        name = ".".join(parent)
+        container = modules.get(name)
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+            raise PlanError(
+                f"{label}: {shown(name)} is not a ModuleList or Sequential in {model_name}, "
+                f"so {shown(module)} is not a run of blocks"
+            )
+        if run[1] > len(container):
+            raise PlanError(f"{label}: run {shown(module)} ends past {shown(name)}, which has {len(container)} blocks")
+    elif module not in modules:
+        depth = module.count(".")
+        near = [n for n in modules if n and n.count(".") <= depth][:12]
+        raise PlanError(
+            f"{label}: {model_name} has no submodule {shown(module)} (some it has: {', '.join(sorted(near))})"
+        )
+
+
+_SCALARS = (str, bool, int, float, type(None))
+
+
+def _plain_provenance(value: Any) -> dict[str, Any]:
+    """A copy of ``value`` as plain data, or PlanError naming the first entry that is not."""
+    if not isinstance(value, Mapping):
+        raise PlanError("provenance: must be a mapping")
+    out: dict[str, Any] = {}
+    for key, item in value.items():
+        path = f"provenance.{_field_name(key)}"
+        if not isinstance(key, str):
+            raise PlanError(f"{path}: keys must be strings")
+        if isinstance(item, Mapping):
+            out[key] = {}
+            for k, v in item.items():
+                if not isinstance(k, str):
+                    raise PlanError(f"{path}.{_field_name(k)}: keys must be strings")
+                out[key][k] = _scalar(v, f"{path}.{_field_name(k)}")
+        elif isinstance(item, (list, tuple)):
+            out[key] = [_scalar(v, f"{path}[{i}]") for i, v in enumerate(item)]
+        else:
+            out[key] = _scalar(item, path)
+    return out
+
+
+def _scalar(value: Any, path: str) -> Any:
+    if not isinstance(value, _SCALARS):
+        raise PlanError(f"{path}: {type(value).__name__} is not allowed (provenance holds strings, numbers, "
+                        "booleans and null, or one level of mapping or list of them)")
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, int):
+        if value.bit_length() > 63:
+            raise PlanError(f"{path}: {shown(value)} is out of range for a 64-bit integer")
+        return int(value)
+    return float(value) if isinstance(value, float) else str(value)

@@ -19,7 +19,11 @@ class Block(nn.Module):
 
 
 class Toy(nn.Module):
-    """(B, 8) → logit (B,): embed, a chain of 4 blocks, three towers, an over-arch."""
+    """(B, 8) → logit (B,): embed, a chain of 4 blocks, three towers, an over-arch.
+
+    The embedding also feeds the over-arch directly (as DLRM's dense vector does), so it
+    keeps a gradient whichever blocks and towers a plan cuts.
+    """
 
     def __init__(self, d: int = 16) -> None:
         super().__init__()
@@ -28,7 +32,7 @@ class Toy(nn.Module):
         self.towers = nn.ModuleList(
             nn.Sequential(nn.Linear(d, d), nn.Tanh(), nn.Linear(d, 8)) for _ in range(3)
         )
-        self.over = nn.Linear(d + 3 * 8, 1)
+        self.over = nn.Linear(2 * d + 3 * 8, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.embed(x))
@@ -36,7 +40,7 @@ class Toy(nn.Module):
         for block in self.blocks:
             z = block(z)
         outs = [tower(h) for tower in self.towers]
-        return self.over(torch.cat([z, *outs], dim=-1)).squeeze(-1)
+        return self.over(torch.cat([z, h, *outs], dim=-1)).squeeze(-1)
 
 
 def toy_batch(n: int = 32, seed: int = 0, dtype=torch.float32, device="cpu"):

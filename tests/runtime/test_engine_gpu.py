@@ -30,7 +30,7 @@ def _plan(mode: str) -> ErasePlan:
     cuts = (
         Cut(module="towers.0", stream=1, aux_weight=0.5, graph=graph),
         Cut(module="towers.2", stream=2, aux_weight=2.0, graph=graph),
-        Cut(module="blocks.1:3", stream=1, graph=graph),
+        Cut(module="blocks.0:2", stream=1, graph=graph),
         Cut(module="towers.1", stream=0, aux_weight=0.3),
     )
     return ErasePlan(cuts=cuts, num_streams=2, **kw)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from erase_tune import Cut, ErasePlan, PlanError
+from erase_tune import Cut, ErasePlan, Placement, PlanError
+from erase_tune.runtime import targets_overlap
 
 
 def _plan(**kw) -> ErasePlan:
@@ -126,3 +127,127 @@ def test_plans_pickle():
 
     plan = _plan(provenance={"trial": 3})
     assert pickle.loads(pickle.dumps(plan)) == plan
+
+
+# -- placements -------------------------------------------------------------------------------
+
+
+def _placed(**kw) -> ErasePlan:
+    base = dict(
+        cuts=(Cut(module="towers.0", stream=3), Cut(module="blocks.0:2")),
+        placements=(Placement(module="towers.2", stream=1), Placement(module="blocks.2:4", stream=3)),
+        num_streams=4,
+    )
+    base.update(kw)
+    return ErasePlan(**base)
+
+
+def test_placements_round_trip_and_describe(tmp_path):
+    plan = _placed()
+    path = tmp_path / "plan.yaml"
+    plan.save(path)
+    assert "placements:\n- module: towers.2\n  stream: 1\n" in path.read_text()
+    assert ErasePlan.load(path) == plan
+    assert ErasePlan.loads("num_streams: 3\nplacements: [{module: subarchs.2, stream: 3}]").placements == (
+        Placement(module="subarchs.2", stream=3),
+    )
+    assert plan.describe() == (
+        "towers.0@s3, blocks.0:2@s0, towers.2@s1(placed), blocks.2:4@s3(placed); 4 side stream(s), blocking"
+    )
+    assert "placements" not in ErasePlan(cuts=(Cut(module="a"),)).dumps()  # old plans keep their text
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(placements=(Placement(module="towers.0", stream=1),)), r"^placements\[0\].module: 'towers.0' overlaps cuts\[0\]"),
+        (dict(placements=(Placement(module="blocks", stream=1),)), r"^placements\[0\].module: 'blocks' overlaps cuts\[1\]"),
+        (dict(placements=(Placement(module="towers.2.0", stream=1), Placement(module="towers.2", stream=2))),
+         r"^placements\[1\].module: 'towers.2' overlaps placements\[0\].module 'towers.2.0'"),
+        (dict(placements=(Placement(module="towers.2", stream=4),), num_streams=3),
+         r"^placements\[0\].stream: 4 is out of range 1..3"),
+    ],
+)
+def test_placement_checks(kw, message):
+    with pytest.raises(PlanError, match=message):
+        _placed(**kw)
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("placements: [{module: a, stream: 0}]", "placements[0].stream: 0 is the main stream"),
+        ("placements: [a]", "placements[0]: must be a mapping with 'module' and 'stream'"),
+        ("placements: [{module: a}]", "placements[0].stream: missing"),
+        ("placements: [{module: a, stream: 1, aux_weight: 2}]", "placements[0].aux_weight: unknown field"),
+        ("placements: {module: a}", "placements: must be a list"),
+    ],
+)
+def test_placement_file_errors(tmp_path, text, needle):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(PlanError) as e:
+        ErasePlan.load(path)
+    assert needle in str(e.value), str(e.value)
+
+
+def test_check_model_covers_placements():
+    model = nn.Module()
+    model.towers = nn.ModuleList([nn.Linear(2, 2)])
+    with pytest.raises(PlanError, match=r"^placements\[0\].module: Module has no submodule 'towers.3'"):
+        ErasePlan(placements=(Placement(module="towers.3", stream=1),), num_streams=1).check_model(model)
+
+
+def test_canonical_renumbers_streams_over_cuts_and_placements():
+    a = ErasePlan(cuts=(Cut(module="b", stream=5),), placements=(Placement(module="a", stream=2),
+                                                                 Placement(module="c", stream=5)), num_streams=6)
+    b = ErasePlan(cuts=(Cut(module="b", stream=1),), placements=(Placement(module="c", stream=1),
+                                                                 Placement(module="a", stream=4)), num_streams=4)
+    assert a.canonical() == b.canonical()
+    c = a.canonical()
+    assert c.num_streams == 2 and [p.stream for p in c.placements] == [1, 2] and c.cuts[0].stream == 2
+
+
+def test_detach_only_and_without_cuts_drop_placements():
+    twin = _placed().detach_only()
+    assert twin.placements == () and twin.num_streams == 0 and twin.dispatch == "deferred"
+    assert [c.stream for c in twin.cuts] == [0, 0]
+    bare = _placed().without_cuts()
+    assert bare.cuts == () and bare.placements == () and bare.num_streams == 0
+
+
+@pytest.mark.parametrize(
+    "a, b, expected",
+    [
+        ("towers.0", "towers.0", True),
+        ("towers", "towers.0.1", True),
+        ("towers.0", "towers.01", False),
+        ("towers.0", "towers.10", False),
+        ("blocks.2:5", "blocks.4", True),
+        ("blocks.2:5", "blocks.5", False),
+        ("blocks.2:5", "blocks.3.fc", True),
+        ("blocks.2:5", "blocks", True),
+        ("blocks.2:5", "blocks.4:9", True),
+        ("blocks.2:5", "blocks.5:9", False),
+        ("blocks.0:100000", "blocks.99999.inner.0:2", True),
+        ("blocks.0:3", "blocks.3.inner.0:2", False),
+        ("blocks.0:3", "other.0:3", False),
+        ("a.blocks.0:3", "a.blocks", True),
+    ],
+)
+def test_overlaps_is_decided_without_listing_members(a, b, expected):
+    assert targets_overlap(a, b) is expected and targets_overlap(b, a) is expected
+
+
+def test_provenance_is_plain_data():
+    plan = ErasePlan(provenance={"workload": "ctr", "workload_args": {"batch": 2048}, "seeds": [0, 1], "gain": None})
+    assert ErasePlan.loads(plan.dumps()) == plan
+    for bad, where in [
+        ({"a": {"b": {"c": 1}}}, "provenance.a.b"),
+        ({"a": [[1]]}, r"provenance.a\[0\]"),
+        ({"a": object()}, "provenance.a"),
+        ({1: "x"}, "provenance.1: keys must be strings"),
+        ({"a": 2**70}, "provenance.a: <an integer of 71 bits> is out of range"),
+    ]:
+        with pytest.raises(PlanError, match=f"^{where}"):
+            ErasePlan(provenance=bad)

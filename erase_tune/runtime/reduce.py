@@ -1,0 +1,193 @@
+"""Gradient averaging across a process group for :class:`EraseEngine` (data parallel ERASE).
+
+Every rank runs the same plan on its own shard of the global batch; after a step each
+parameter's gradient is the average of the ranks' gradients, reduced exactly once. Two
+schedules, selected by the plan's ``find_unused_parameters`` (docs/design.md, "Data parallel"):
+
+- **on**: nothing is reduced early; after the main backward, all gradients (model and aux
+  heads, in :meth:`EraseEngine.parameters` order) are all-reduced together.
+- **off**: each cut's own parameters (those registered only under its modules, and its aux
+  head's) are all-reduced asynchronously as soon as that cut's local backward is done, on the
+  cut's stream, so the communication overlaps the rest of the forward; everything else is
+  all-reduced after the main backward.
+
+Collective order: every rank must issue the same collectives in the same order, or sums mix
+different tensors (same sizes) or hang (different sizes). A cut's reduction is issued only by
+the training thread, and only in plan order: cut ``i`` waits until cuts ``0..i-1`` have been
+issued, however the worker threads' backwards happen to finish. Then the rest, once.
+
+A parameter with no gradient on a rank contributes zeros (its gradient becomes a zero tensor
+before the reduction), so every rank reduces the same tensors. Sparse gradients are refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from erase_tune.errors import EraseTuneError, PlanError, shown
+from erase_tune.runtime import device as dev
+
+__all__ = ["GradReducer", "broadcast_from_rank0", "refuse_sparse"]
+
+
+def _buckets(tensors: Sequence[Tensor]) -> list[list[int]]:
+    """Indices of ``tensors`` grouped by (device, dtype), each group in the given order."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    return list(groups.values())
+
+
+def broadcast_from_rank0(tensors: Sequence[Tensor], group: Any) -> None:
+    """Overwrite ``tensors`` with rank 0's values (what DDP does to a model at construction)."""
+    src = dist.get_global_rank(group, 0)
+    seen: set[int] = set()
+    unique = [t for t in tensors if not (id(t) in seen or seen.add(id(t)))]  # type: ignore[func-returns-value]
+    with torch.no_grad():
+        for idx in _buckets(unique):
+            part = [unique[i].detach() for i in idx]
+            flat = _flatten_dense_tensors(part)
+            dist.broadcast(flat, src=src, group=group)
+            for t, v in zip(part, _unflatten_dense_tensors(flat, part)):
+                t.copy_(v)
+
+
+def refuse_sparse(model: nn.Module) -> None:
+    """Raise :class:`PlanError` if ``model`` has an embedding with sparse gradients."""
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse:
+            raise PlanError(
+                f"{type(m).__name__} {shown(name)} has sparse=True: sparse gradients are not reduced across a "
+                "process group by EraseEngine; use sparse=False (dense gradients) for data-parallel training"
+            )
+
+
+class _Issued:
+    """One all-reduce in flight: a flat buffer of some parameters' gradients."""
+
+    def __init__(self, params: list[nn.Parameter], flat: Tensor, work: Any, stream: Any) -> None:
+        self.params, self.flat, self.work, self.stream = params, flat, work, stream
+
+
+class GradReducer:
+    """Averages a step's gradients across ``group``: per-cut groups early, the rest at the end.
+
+    ``cut_params[i]`` are the parameters reduced right after cut ``i``'s backward (empty lists
+    for all cuts when the plan has ``find_unused_parameters``); ``rest`` are reduced after the
+    main backward. ``names`` maps ``id(param)`` to a name for messages.
+    """
+
+    def __init__(self, group: Any, cut_names: Sequence[str], cut_params: Sequence[Sequence[nn.Parameter]],
+                 rest: Sequence[nn.Parameter], names: dict[int, str], device: torch.device) -> None:
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.cut_names = list(cut_names)
+        self.cut_params = [list(ps) for ps in cut_params]
+        self.rest = list(rest)
+        self.names = names
+        self.device = device
+        self.filled: set[int] = set()
+        """Parameters whose gradient was ``None`` on this rank at a reduction (zeros were sent)."""
+        self.begin()
+
+    # -- one step ---------------------------------------------------------------------------------
+
+    def begin(self) -> None:
+        n = len(self.cut_names)
+        self._launched: list[tuple[Any, Future | None] | None] = [None] * n  # (stream, future)
+        self._next = 0
+        self._issued: list[_Issued] = []
+        self._early: list[tuple[nn.Parameter, Tensor, int]] = []  # (param, grad, version) when issued
+
+    def launched(self, index: int, stream: Any, future: Future | None = None) -> None:
+        """Cut ``index``'s local backward was launched (``future``: by a worker thread)."""
+        if self._launched[index] is not None or index < self._next:
+            raise PlanError(
+                f"cut {shown(self.cut_names[index])} runs more than once in one forward: under a process group with "
+                "find_unused_parameters: false its gradients are reduced after its first call; set "
+                "find_unused_parameters: true"
+            )
+        self._launched[index] = (stream, future)
+        self.poll()
+
+    def poll(self) -> None:
+        """Issue, in plan order, the reductions of the cuts whose backward is done (training thread only)."""
+        while self._next < len(self._launched):
+            entry = self._launched[self._next]
+            if entry is None or (entry[1] is not None and not entry[1].done()):
+                return
+            self._issue_cut(self._next)
+
+    def finish(self) -> None:
+        """After the main backward, side streams joined: reduce the rest, wait, write averages back."""
+        while self._next < len(self._launched):  # deferred cuts, and any not done yet, still in plan order
+            entry = self._launched[self._next]
+            if entry is not None and entry[1] is not None:
+                entry[1].result()
+            self._issue_cut(self._next, on_current=True)
+        self._check_early()
+        self._issue(self.rest, None)
+        self._complete()
+
+    def reduce_all(self) -> None:
+        """Reduce every gradient now, cuts in plan order then the rest (after a graph replay)."""
+        self.begin()
+        self.finish()
+
+    # -- internals ----------------------------------------------------------------------------------
+
+    def _issue_cut(self, index: int, on_current: bool = False) -> None:
+        entry = self._launched[index]
+        stream = None if on_current or entry is None else entry[0]
+        params = self.cut_params[index]
+        self._issue(params, stream)
+        self._early.extend((p, p.grad, p.grad._version) for p in params)  # type: ignore[union-attr]
+        self._next = index + 1
+
+    def _grad(self, p: nn.Parameter) -> Tensor:
+        if p.grad is None:
+            self.filled.add(id(p))
+            p.grad = torch.zeros_like(p)
+        elif p.grad.is_sparse:
+            raise EraseTuneError(f"parameter {self.names.get(id(p), '?')} has a sparse gradient; EraseEngine does not "
+                                 "reduce sparse gradients across a process group (use dense gradients)")
+        return p.grad
+
+    def _issue(self, params: list[nn.Parameter], stream: Any) -> None:
+        if not params:
+            return
+        with dev.use_stream(stream):
+            grads = [self._grad(p) for p in params]
+            for idx in _buckets(grads):
+                flat = _flatten_dense_tensors([grads[i] for i in idx])
+                work = dist.all_reduce(flat, group=self.group, async_op=True)
+                self._issued.append(_Issued([params[i] for i in idx], flat, work, stream))
+
+    def _check_early(self) -> None:
+        """A cut parameter whose gradient changed after its reduction was issued would be half reduced."""
+        for p, grad, version in self._early:
+            if p.grad is not grad or p.grad._version != version:
+                raise PlanError(
+                    f"parameter {self.names.get(id(p), '?')} got a gradient after its cut's reduction was issued "
+                    "(it is used outside the cut); set find_unused_parameters: true to reduce everything at the end"
+                )
+
+    def _complete(self) -> None:
+        here = dev.current_stream(self.device)
+        issued, self._issued, self._early = self._issued, [], []
+        for item in issued:
+            item.work.wait()  # on CUDA: the current stream waits for the collective
+            if here is not None:
+                item.flat.record_stream(here)  # made on another stream, read here
+            item.flat.div_(self.world)
+            grads = [p.grad for p in item.params]
+            for g, v in zip(grads, _unflatten_dense_tensors(item.flat, grads)):
+                g.copy_(v)  # type: ignore[union-attr]
+
