@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from erase_tune.errors import WorkloadError
+from erase_tune.errors import WorkloadError, one_line, shown
 from erase_tune.workloads.base import Batch, Workload, WorkloadData
 
 __all__ = ["BUILTINS", "Batch", "Workload", "WorkloadData", "get_workload"]
@@ -39,11 +39,11 @@ def get_workload(name: str, args: Mapping[str, Any] | None = None) -> Workload:
     fails, or one that returns something other than a :class:`Workload`.
     """
     if not isinstance(name, str) or not name.strip():
-        raise WorkloadError(f"workload name must be a non-empty string, got {name!r}")
+        raise WorkloadError(f"workload name must be a non-empty string, got {shown(name)}")
     if args is None:
         args = {}
     if not isinstance(args, Mapping):
-        raise WorkloadError(f"workload {name!r}: arguments must be a mapping, got {type(args).__name__}")
+        raise WorkloadError(f"workload {shown(name)}: arguments must be a mapping, got {type(args).__name__}")
     factory = _resolve(name)
     call_args = _check_args(name, factory, args)
     try:
@@ -52,12 +52,12 @@ def get_workload(name: str, args: Mapping[str, Any] | None = None) -> Workload:
         message = _one_line(exc)
         if message.startswith("workload "):
             raise
-        raise WorkloadError(f"workload {name!r}: {message}") from exc
+        raise WorkloadError(f"workload {shown(name)}: {message}") from exc
     except Exception as exc:
-        raise WorkloadError(f"workload {name!r}: factory failed: {type(exc).__name__}: {_one_line(exc)}") from exc
+        raise WorkloadError(f"workload {shown(name)}: factory failed: {type(exc).__name__}: {_one_line(exc)}") from exc
     if not isinstance(result, Workload):
         raise WorkloadError(
-            f"workload {name!r}: factory returned {type(result).__name__}, expected erase_tune.workloads.Workload"
+            f"workload {shown(name)}: factory returned {type(result).__name__}, expected erase_tune.workloads.Workload"
         )
     if name not in BUILTINS:
         # Provenance: record the name the user gave and, if the factory left them out, the
@@ -82,9 +82,10 @@ def fused_if_cuda(cls: type[torch.optim.Optimizer], params: Iterable[Any], **kwa
 # ---------------------------------------------------------------------------------------
 
 
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return text or type(exc).__name__
+def _one_line(exc: BaseException, limit: int = 300) -> str:
+    """A user factory's or module's own error message: one line, at most ``limit`` characters."""
+    text = one_line(" ".join(str(exc).split())) or type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _resolve(name: str) -> Callable[..., Any]:
@@ -92,24 +93,27 @@ def _resolve(name: str) -> Callable[..., Any]:
         return importlib.import_module(f"{__name__}.{name}").workload
     if ":" not in name:
         raise WorkloadError(
-            f"unknown workload {name!r} (built-ins: {', '.join(BUILTINS)}; or a factory 'package.module:function')"
+            f"unknown workload {shown(name)} (built-ins: {', '.join(BUILTINS)}; or a factory 'package.module:function')"
         )
     module_name, _, attr = name.partition(":")
     dotted = lambda s: bool(s) and all(part.isidentifier() for part in s.split("."))  # noqa: E731
     if not (dotted(module_name) and dotted(attr)):
-        raise WorkloadError(f"workload {name!r}: not of the form 'package.module:function'")
+        raise WorkloadError(f"workload {shown(name)}: not of the form 'package.module:function'")
     try:
         target: Any = importlib.import_module(module_name)
     except Exception as exc:  # a user module can fail to import in any way (SyntaxError, ...)
         raise WorkloadError(
-            f"workload {name!r}: cannot import module {module_name!r} ({type(exc).__name__}: {_one_line(exc)})"
+            f"workload {shown(name)}: cannot import module {shown(module_name)} "
+            f"({type(exc).__name__}: {_one_line(exc)})"
         ) from exc
     for part in attr.split("."):
         if not hasattr(target, part):
-            raise WorkloadError(f"workload {name!r}: module {module_name!r} has no attribute {attr!r}")
+            raise WorkloadError(f"workload {shown(name)}: module {shown(module_name)} has no attribute {shown(attr)}")
         target = getattr(target, part)
     if not callable(target):
-        raise WorkloadError(f"workload {name!r}: {attr!r} is a {type(target).__name__}, not a callable factory")
+        raise WorkloadError(
+            f"workload {shown(name)}: {shown(attr)} is a {type(target).__name__}, not a callable factory"
+        )
     return target
 
 
@@ -118,7 +122,7 @@ def _check_args(name: str, factory: Callable[..., Any], args: Mapping[str, Any])
     where the factory takes a float."""
     for key in args:
         if not isinstance(key, str):
-            raise WorkloadError(f"workload {name!r}: argument names must be strings, got {key!r}")
+            raise WorkloadError(f"workload {shown(name)}: argument names must be strings, got {shown(key)}")
     try:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):  # e.g. some builtins and C extensions: nothing to check against
@@ -132,12 +136,12 @@ def _check_args(name: str, factory: Callable[..., Any], args: Mapping[str, Any])
         listed = ", ".join(by_keyword) or "none"
         plural = "s" if len(unknown) > 1 else ""
         raise WorkloadError(
-            f"workload {name!r}: unknown argument{plural} {', '.join(map(repr, unknown))} (arguments: {listed})"
+            f"workload {shown(name)}: unknown argument{plural} {', '.join(map(shown, unknown))} (arguments: {listed})"
         )
     missing = [p.name for p in params.values() if p.default is _MISSING and p.kind in (p.POSITIONAL_OR_KEYWORD,
                p.KEYWORD_ONLY) and p.name not in args]  # fmt: skip
     if missing:
-        raise WorkloadError(f"workload {name!r}: missing argument {missing[0]!r}")
+        raise WorkloadError(f"workload {shown(name)}: missing argument {shown(missing[0])}")
     try:
         hints = typing.get_type_hints(factory)
     except Exception:  # unresolvable annotations: fall back to each default's type
@@ -152,10 +156,15 @@ def _check_args(name: str, factory: Callable[..., Any], args: Mapping[str, Any])
             expected = type(param.default)
         if expected is _MISSING or _matches(value, expected) is not False:
             if _is_float(expected) and isinstance(value, int) and not isinstance(value, bool):
-                out[key] = float(value)
+                try:
+                    out[key] = float(value)
+                except OverflowError:  # past 1.8e308: no float holds it
+                    raise WorkloadError(f"workload {shown(name)}: argument {shown(key)} must be a float, got "
+                                        f"{shown(value)}, too large for one") from None
             continue
         raise WorkloadError(
-            f"workload {name!r}: argument {key!r} must be {_describe(expected)}, got {type(value).__name__} {value!r}"
+            f"workload {shown(name)}: argument {shown(key)} must be {_describe(expected)}, "
+            f"got {type(value).__name__} {shown(value)}"
         )
     return out
 

@@ -72,6 +72,18 @@ class Workload:
     make_head: Callable[[str, Tensor, Tensor], nn.Module] | None = None
     """Optional aux-head factory ``(cut_name, cut_output, model_output) -> module``;
     None uses the engine's default linear head."""
+    make_example: Callable[[torch.device], Batch] | None = None
+    """Optional: one batch on a device with the training batch's shapes and dtypes (and
+    values as valid: ids in range, labels in the label set), for probing the model and
+    sizing aux heads without building the whole data pool; None falls back to
+    ``make_data(device).batch(0)``. See :meth:`example`."""
+
+    def example(self, device: torch.device) -> Batch:
+        """One batch shaped like a training batch, on ``device``: ``make_example(device)``
+        when the workload has one, else the first batch of ``make_data(device)``."""
+        if self.make_example is not None:
+            return self.make_example(device)
+        return self.make_data(device).batch(0)
 
     def normalized_entropy(self, model: nn.Module, data: WorkloadData) -> float:
         """Held-out NE of ``model``: mean eval loss / prior cross-entropy."""

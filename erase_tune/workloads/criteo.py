@@ -19,7 +19,7 @@ import zlib
 import torch
 from torch import Tensor
 
-from erase_tune.errors import WorkloadError
+from erase_tune.errors import WorkloadError, shown
 
 __all__ = ["NUM_DENSE", "NUM_SPARSE", "load_criteo_tsv"]
 
@@ -33,13 +33,13 @@ def _parse_line(line: str, rows: int, where: str) -> tuple[float, list[float], l
     if len(fields) != _FIELDS:
         raise WorkloadError(f"{where}: expected {_FIELDS} tab-separated fields, got {len(fields)}")
     if fields[0] not in ("0", "1"):
-        raise WorkloadError(f"{where}: label must be 0 or 1, got {fields[0]!r}")
+        raise WorkloadError(f"{where}: label must be 0 or 1, got {shown(fields[0])}")
     dense = []
     for i, text in enumerate(fields[1 : 1 + NUM_DENSE], start=1):
         try:
             value = int(text) if text else 0
         except ValueError:
-            raise WorkloadError(f"{where}: integer feature I{i} is not an integer: {text!r}") from None
+            raise WorkloadError(f"{where}: integer feature I{i} is not an integer: {shown(text)}") from None
         # Counts are heavy-tailed; log1p is the usual Criteo transform (negatives are noise).
         dense.append(math.log1p(max(value, 0)))
     sparse = [zlib.crc32(text.encode()) % rows if text else 0 for text in fields[1 + NUM_DENSE :]]
@@ -57,7 +57,7 @@ def load_criteo_tsv(
     the file and line for a malformed line, and for a missing, unreadable or empty file.
     """
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
-        raise WorkloadError(f"criteo: rows must be an integer >= 1, got {rows!r}")
+        raise WorkloadError(f"criteo: rows must be an integer >= 1, got {shown(rows)}")
     labels: list[float] = []
     dense: list[list[float]] = []
     sparse: list[list[int]] = []

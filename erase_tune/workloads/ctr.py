@@ -27,10 +27,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from erase_tune.errors import WorkloadError
+from erase_tune.errors import WorkloadError, shown
 from erase_tune.workloads import fused_if_cuda
 from erase_tune.workloads.base import Batch, Workload, WorkloadData, prior_entropy
 from erase_tune.workloads.criteo import NUM_DENSE, NUM_SPARSE, load_criteo_tsv
+from erase_tune.workloads.limits import (
+    MAX_SEED,
+    TRAINING_BYTES_PER_PARAMETER,
+    Need,
+    check_int,
+    check_memory,
+)
 
 __all__ = [
     "SparseArch",
@@ -247,7 +254,9 @@ class CTRModel(nn.Module):
 
 
 def _standardize(x: Tensor) -> Tensor:
-    return (x - x.mean()) / x.std().clamp_min(1e-6)
+    # One value has no spread (std() would be NaN, and the labels' probabilities with it).
+    std = x.std().clamp_min(1e-6) if x.numel() > 1 else x.new_ones(())
+    return (x - x.mean()) / std
 
 
 def _binary_entropy(p: Tensor) -> Tensor:
@@ -427,9 +436,124 @@ def _build_model(*, args: dict[str, Any]) -> CTRModel:
         )
 
 
+def _synthetic_example(device: torch.device, *, args: dict[str, Any]) -> Batch:
+    """One batch straight from the teacher: no pool, so it costs one batch (plus the
+    per-table id order) whatever ``train_batches`` is."""
+    dense, sparse, labels = synthetic_ctr(
+        args["batch"],
+        num_tables=args["num_tables"],
+        rows=args["rows"],
+        bag=args["bag"],
+        base_rate=args["base_rate"],
+        seed=args["seed"],
+        device=torch.device(device),
+    )
+    return (dense, sparse), labels
+
+
+def _criteo_example(device: torch.device, *, args: dict[str, Any]) -> Batch:
+    """The file's first ``batch`` lines: the first training batch ``make_data`` gives."""
+    batch, path = args["batch"], args["data"]
+    dense, sparse, labels = load_criteo_tsv(path, rows=args["rows"], max_lines=batch)
+    if len(labels) < batch:
+        raise WorkloadError(
+            f"workload 'ctr': data {path!r} has {len(labels)} lines, too few for one training batch of {batch}"
+        )
+    device = torch.device(device)
+    return (dense.to(device), sparse.to(device)), labels.to(device)
+
+
+# Bounds on the integer arguments: far above any real run, low enough that no argument can
+# make the factory hang.
+_BOUNDS = {
+    "batch": (1, 2**20),
+    "width": (1, 2**16),
+    "depth": (1, 64),
+    "emb_dim": (1, 2**14),
+    "num_tables": (1, 1024),
+    "rows": (1, 2**40),
+    "bag": (1, 1024),
+    "sub_out": (1, 2**16),
+    "train_batches": (1, 2**20),
+    "eval_batches": (1, 2**20),
+    "seed": (0, MAX_SEED),
+}
+
+# Building the synthetic pool holds the teacher's intermediates for every example at once.
+# Peak host memory measured on a CPU (torch 2.13; 24 to 48 batches of 4096, 8 and 26 tables,
+# bag 1 and 4): 1.9-3.1 kB per example at bag 1, +26 B per extra id; and 17-20 B per table
+# row plus 12 B per row for the ids' popularity order. Rounded up here.
+_SYNTHETIC_BYTES_PER_EXAMPLE = 1500
+_SYNTHETIC_BYTES_PER_TABLE = 70
+_SYNTHETIC_BYTES_PER_ID = 30
+_SYNTHETIC_BYTES_PER_TABLE_ROW = 20
+_SYNTHETIC_BYTES_PER_ROW = 12
+# Reading a TSV keeps each line as Python lists (a float and 39 boxed numbers) until the
+# tensors are built; the shortest valid line is 41 bytes (a label, 39 tabs, a newline).
+_CRITEO_BYTES_PER_LINE = 2000
+_CRITEO_MIN_LINE_BYTES = 41
+
+
+def _parameter_count(args: dict[str, Any]) -> tuple[int, int]:
+    """Parameters of :class:`CTRModel` for ``args``: (embedding tables, everything else),
+    counted, not built (see ``limits``)."""
+    t, rows, e = args["num_tables"], args["rows"], args["emb_dim"]
+    width, depth, out = args["width"], args["depth"], args["sub_out"]
+    feat = (t + 1) * e
+    linear = lambda i, o, bias=True: i * o + (o if bias else 0)  # noqa: E731
+
+    def tower(w: int, norm: bool) -> int:
+        hidden = linear(feat, w) + (depth - 1) * linear(w, w) + (2 * w * depth if norm else 0)
+        return hidden + linear(w, out)
+
+    rank = max(1, width // 2)
+    subarchs = (
+        2 * tower(width, False) + tower(2 * width, False) + tower(width, True)
+        + depth * (linear(feat, rank, bias=False) + linear(rank, feat)) + linear(feat, out)  # cross network
+        + linear(e, 3 * e) + linear(e, e) + 2 * e + linear(e, out)  # attention, its norm, projection
+    )  # fmt: skip
+    dense_arch = linear(NUM_DENSE, width) + linear(width, e)
+    over = linear(e + (t + 1) * t // 2 + 6 * out, width) + linear(width, 1)
+    return t * rows * e, dense_arch + subarchs + over
+
+
+def _needs(args: dict[str, Any]) -> list[Need]:
+    """What the model (trained with Adam) and the data pools need, from the arguments alone."""
+    tables, dense = _parameter_count(args)
+    t, rows, e = args["num_tables"], args["rows"], args["emb_dim"]
+    examples = (args["train_batches"] + args["eval_batches"]) * args["batch"]
+    pools = f"batch={args['batch']} x (train_batches={args['train_batches']} + eval_batches={args['eval_batches']})"
+    needs = [
+        Need(
+            "the embedding tables", tables * TRAINING_BYTES_PER_PARAMETER, f"num_tables={t} x rows={rows} x emb_dim={e}"
+        ),
+        Need(
+            "the dense layers",
+            dense * TRAINING_BYTES_PER_PARAMETER,
+            f"width={args['width']}, depth={args['depth']}, num_tables={t}, emb_dim={e}, sub_out={args['sub_out']}",
+        ),
+    ]
+    if args["data"] == "synthetic":
+        per_example = (
+            _SYNTHETIC_BYTES_PER_EXAMPLE + _SYNTHETIC_BYTES_PER_TABLE * t + _SYNTHETIC_BYTES_PER_ID * t * args["bag"]
+        )
+        needs.append(Need("the train/eval pools", examples * per_example, pools))
+        needs.append(
+            Need(
+                "the synthetic ids' popularity order",
+                rows * (_SYNTHETIC_BYTES_PER_TABLE_ROW * t + _SYNTHETIC_BYTES_PER_ROW),
+                f"num_tables={t} x rows={rows}",
+            )
+        )
+    else:
+        lines = min(examples, os.path.getsize(args["data"]) // _CRITEO_MIN_LINE_BYTES + 1)
+        needs.append(Need("the train/eval pools", lines * _CRITEO_BYTES_PER_LINE, pools))
+    return needs
+
+
 def _check(name: str, value: Any, ok: bool, need: str) -> None:
     if not ok:
-        raise WorkloadError(f"workload 'ctr': argument {name!r} must be {need}, got {value!r}")
+        raise WorkloadError(f"workload 'ctr': argument {name!r} must be {need}, got {shown(value)}")
 
 
 def workload(
@@ -462,18 +586,20 @@ def workload(
     """
     data = os.fspath(data)  # provenance records a plain string
     args = dict(locals())
-    for name in ("batch", "width", "depth", "emb_dim", "num_tables", "rows", "bag", "sub_out",
-                 "train_batches", "eval_batches"):  # fmt: skip
-        _check(name, args[name], args[name] >= 1, "an integer >= 1")
+    for name, (low, high) in _BOUNDS.items():
+        check_int("ctr", name, args[name], low, high)
     _check("base_rate", base_rate, 0.0 < base_rate < 1.0, "a number strictly between 0 and 1")
     _check("lr", lr, lr > 0 and math.isfinite(lr), "a finite number > 0")
     if data == "synthetic":
         make_data: Callable[[torch.device], WorkloadData] = functools.partial(_synthetic_data, args=args)
+        make_example: Callable[[torch.device], Batch] = functools.partial(_synthetic_example, args=args)
     else:
         _check("data", data, os.path.isfile(data), "'synthetic' or the path of a readable Criteo TSV file")
         _check("num_tables", num_tables, num_tables == NUM_SPARSE, f"{NUM_SPARSE} with Criteo data")
         _check("bag", bag, bag == 1, "1 with Criteo data")
         make_data = functools.partial(_criteo_data, args=args)
+        make_example = functools.partial(_criteo_example, args=args)
+    check_memory("ctr", _needs(args))
     return Workload(
         name="ctr",
         args=dict(args),
@@ -484,6 +610,7 @@ def workload(
         batch_size=batch,
         optimizer=functools.partial(fused_if_cuda, torch.optim.Adam, lr=lr),
         make_head=_make_head,
+        make_example=make_example,
     )
 
 

@@ -7,6 +7,17 @@ tokenizer to ship), learned positions, pre-norm blocks with parameter-free RMSNo
 ReLU² MLP as in nanochat. Each block does both residual adds itself, so a run of blocks is
 a plain chain ``for b in blocks: x = b(x)`` and a cut can detach any run of them.
 
+The chain starts with the input stage: ``blocks.0`` is the token + position embedding, and
+``blocks.1`` to ``blocks.n_layer`` are the transformer blocks; the final norm and ``lm_head``
+stay outside. A cut detaches its input, so a cut after the embedding would leave it with no
+gradient from anything; inside the chain, the first piece (``blocks.0:k``) owns it and trains
+it with its local loss. The paper's NanoChat split, two detachment points and three pieces,
+is then ``blocks.0:3`` (embedding + two blocks, local loss), ``blocks.3:5`` (two blocks,
+local loss) and the rest with the main loss. ``lm_head`` is not tied to the token embedding
+(nanochat unties them too): a tied matrix would belong to the first piece and to the
+remainder at once, trained by two losses across a detachment, so a piece would not be a
+piece.
+
 The text is the ``.py`` files of the standard library: it ships with every Python, so the
 workload needs no download, and it is read in sorted order so the bytes are reproducible
 on one installation.
@@ -27,11 +38,28 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from erase_tune.errors import WorkloadError
+from erase_tune.errors import WorkloadError, shown
 from erase_tune.workloads import fused_if_cuda
 from erase_tune.workloads.base import Batch, Workload, WorkloadData, prior_entropy
+from erase_tune.workloads.limits import (
+    MAX_SEED,
+    TRAINING_BYTES_PER_PARAMETER,
+    Need,
+    check_int,
+    check_memory,
+)
 
-__all__ = ["VOCAB_SIZE", "CausalSelfAttention", "MLP", "Block", "GPT", "stdlib_text", "workload"]
+__all__ = [
+    "VOCAB_SIZE",
+    "Embed",
+    "CausalSelfAttention",
+    "MLP",
+    "Block",
+    "GPT",
+    "cut_candidates",
+    "stdlib_text",
+    "workload",
+]
 
 VOCAB_SIZE = 256
 """Bytes."""
@@ -83,14 +111,35 @@ class Block(nn.Module):
         return x + self.mlp(_norm(x))
 
 
-class GPT(nn.Module):
-    """Byte-level decoder: ``forward(idx (B, T) int64) -> logits (B, T, 256)``, T ≤ seq_len."""
+class Embed(nn.Module):
+    """Byte + learned position embedding: ``idx (B, T) int64 -> (B, T, C)``, T ≤ seq_len.
+    The chain's first block."""
 
-    def __init__(self, *, seq_len: int, n_layer: int, n_head: int, n_embd: int) -> None:
+    def __init__(self, *, seq_len: int, n_embd: int) -> None:
         super().__init__()
         self.wte = nn.Embedding(VOCAB_SIZE, n_embd)
         self.wpe = nn.Embedding(seq_len, n_embd)
-        self.blocks = nn.ModuleList(Block(n_embd=n_embd, n_head=n_head) for _ in range(n_layer))
+
+    def forward(self, idx: Tensor) -> Tensor:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        return self.wte(idx) + self.wpe(positions)
+
+
+class GPT(nn.Module):
+    """Byte-level decoder: ``forward(idx (B, T) int64) -> logits (B, T, 256)``, T ≤ seq_len.
+
+    ``blocks`` is the chain: ``blocks.0`` the :class:`Embed`, then ``n_layer`` transformer
+    blocks; any run ``blocks.i:j`` is a cut target, and ``blocks.0:j`` is one that leaves no
+    parameter upstream of it. The final norm and ``lm_head`` (untied) follow the chain.
+    """
+
+    def __init__(self, *, seq_len: int, n_layer: int, n_head: int, n_embd: int) -> None:
+        super().__init__()
+        # Built in the order the parameters always were (embeddings, blocks, head), so a seed
+        # gives the same weights as before the embedding joined the chain.
+        blocks: list[nn.Module] = [Embed(seq_len=seq_len, n_embd=n_embd)]
+        blocks += [Block(n_embd=n_embd, n_head=n_head) for _ in range(n_layer)]
+        self.blocks = nn.ModuleList(blocks)
         self.lm_head = nn.Linear(n_embd, VOCAB_SIZE, bias=False)
         # GPT-2 initialisation; residual projections shrink with depth so the residual
         # stream's variance does not grow with the number of blocks.
@@ -99,8 +148,7 @@ class GPT(nn.Module):
             nn.init.normal_(param, mean=0.0, std=std)
 
     def forward(self, idx: Tensor) -> Tensor:
-        positions = torch.arange(idx.shape[1], device=idx.device)
-        x = self.wte(idx) + self.wpe(positions)  # (B, T, C)
+        x = idx
         for block in self.blocks:
             x = block(x)
         return self.lm_head(_norm(x))
@@ -201,6 +249,78 @@ def _build_model(*, args: dict[str, Any]) -> GPT:
         return GPT(seq_len=args["seq_len"], n_layer=args["n_layer"], n_head=args["n_head"], n_embd=args["n_embd"])
 
 
+def _example(device: torch.device, *, args: dict[str, Any]) -> Batch:
+    """The first training batch of a one-batch pool: reads two batches' worth of text,
+    whatever ``train_batches`` is."""
+    return _make_data(device, args={**args, "train_batches": 1, "eval_batches": 1}).batch(0)
+
+
+# Bounds on the integer arguments: far above any real run, low enough that no argument can
+# make the factory hang.
+_BOUNDS = {
+    "batch": (1, 2**20),
+    "seq_len": (1, 2**17),
+    "n_layer": (1, 256),
+    "n_head": (1, 2**12),
+    "n_embd": (1, 2**16),
+    "train_batches": (1, 2**20),
+    "eval_batches": (1, 2**20),
+    "seed": (0, MAX_SEED),
+}
+
+_BYTES_PER_TOKEN = 32
+"""Peak host memory per byte of the pools while building them: the windows (int64), their
+gather indices, the shuffled copy and the source text as int64. Measured 26 B on a CPU
+(torch 2.13; 400 and 2000 batches of 64 x 1025 bytes)."""
+
+
+def _parameter_count(args: dict[str, Any]) -> int:
+    """Parameters of :class:`GPT` for ``args`` (counted, not built: see ``limits``)."""
+    c = args["n_embd"]
+    # Byte and position embeddings, the head, and per block qkv (3c²), proj (c²) and the MLP (8c²).
+    return (2 * VOCAB_SIZE + args["seq_len"]) * c + args["n_layer"] * 12 * c * c
+
+
+def _needs(args: dict[str, Any]) -> list[Need]:
+    """What the model (trained with AdamW) and the data pools need, from the arguments alone."""
+    params = _parameter_count(args)
+    tokens = (args["train_batches"] + args["eval_batches"]) * args["batch"] * (args["seq_len"] + 1)
+    return [
+        Need(
+            "the model",
+            params * TRAINING_BYTES_PER_PARAMETER,
+            f"n_layer={args['n_layer']}, n_embd={args['n_embd']}, seq_len={args['seq_len']}",
+        ),
+        Need(
+            "the train/eval pools",
+            tokens * _BYTES_PER_TOKEN,
+            f"batch={args['batch']} x seq_len={args['seq_len']} x "
+            f"(train_batches={args['train_batches']} + eval_batches={args['eval_batches']})",
+        ),
+    ]
+
+
+def cut_candidates(n_layer: int) -> tuple[str, ...]:
+    """Cut candidates of an ``n_layer``-block model, in chain order, upstream first.
+
+    First the pieces: two transformer blocks each, the first piece together with the
+    embedding (``blocks.0:3``, ``blocks.3:5``, ``blocks.5:7``, ...; the last one holds a
+    single block when ``n_layer`` is odd). Detaching the first ``k`` of them leaves no
+    parameter untrained (``blocks.0:3`` + ``blocks.3:5`` is the paper's two detachment
+    points); detaching a later one without those before it starves the embedding and the
+    blocks upstream of it, which is why they come first (a search offers "detach" for a
+    candidate only once the candidates before it cover its upstream). Then every transformer
+    block alone (``blocks.1`` ... ``blocks.n_layer``), for placement on a side stream (a
+    placement detaches nothing, so it starves nothing); a block that is already a one-block
+    piece is not repeated. The embedding alone is no candidate: as a cut it would train the
+    byte table as a bigram model, and as a placement it is too little work to overlap.
+    """
+    bounds = [0, *range(3, n_layer + 1, 2), n_layer + 1]
+    pieces = [f"blocks.{a}:{b}" for a, b in zip(bounds, bounds[1:])]
+    singles = [f"blocks.{i}" for i in range(1, n_layer + 1) if f"blocks.{i}:{i + 1}" not in pieces]
+    return tuple(pieces + singles)
+
+
 def workload(
     *,
     batch: int = 8,
@@ -216,22 +336,21 @@ def workload(
     """The GPT proxy. Defaults suit a CPU; a GPU trial might use ``batch=32, seq_len=1024,
     n_layer=12, n_head=6, n_embd=768``."""
     args = dict(locals())
-    for name in ("batch", "seq_len", "n_layer", "n_head", "n_embd", "train_batches", "eval_batches"):
-        if args[name] < 1:
-            raise WorkloadError(f"workload 'gpt': argument {name!r} must be an integer >= 1, got {args[name]!r}")
+    for name, (low, high) in _BOUNDS.items():
+        check_int("gpt", name, args[name], low, high)
     if n_embd % n_head:
         raise WorkloadError(f"workload 'gpt': argument 'n_embd' ({n_embd}) must be a multiple of 'n_head' ({n_head})")
     if not (lr > 0 and math.isfinite(lr)):
-        raise WorkloadError(f"workload 'gpt': argument 'lr' must be a finite number > 0, got {lr!r}")
-    singles = tuple(f"blocks.{i}" for i in range(n_layer))
-    pairs = tuple(f"blocks.{i}:{i + 2}" for i in range(n_layer - 1))
+        raise WorkloadError(f"workload 'gpt': argument 'lr' must be a finite number > 0, got {shown(lr)}")
+    check_memory("gpt", _needs(args))
     return Workload(
         name="gpt",
         args=dict(args),
         build_model=functools.partial(_build_model, args=args),
         loss_fn=lm_loss,
         make_data=functools.partial(_make_data, args=args),
-        cut_candidates=singles + pairs,
+        cut_candidates=cut_candidates(n_layer),
         batch_size=batch,
         optimizer=functools.partial(fused_if_cuda, torch.optim.AdamW, lr=lr),
+        make_example=functools.partial(_example, args=args),
     )

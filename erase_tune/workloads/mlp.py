@@ -5,6 +5,13 @@ time it saves. This is that model at CPU size, on scikit-learn's digits (8×8 im
 classes, shipped inside the package, so nothing is downloaded). Without scikit-learn it
 falls back to a seeded Gaussian mixture of the same shapes, and ``args["dataset"]`` records
 which one a run used.
+
+The whole stack up to the classifier is one chain, ``layers``: ``layers.0`` is the input
+projection, ``layers.1`` to ``layers.depth`` the hidden blocks. A cut detaches its input, so
+a cut that starts after the input projection leaves it with no gradient from anything; with
+the projection inside the chain, the first piece (``layers.0:k``) owns it and trains it with
+its local loss, and every piece of the paper's split is a cut. The classifier stays outside
+the chain and trains with the main loss, with whatever part of the chain is not cut.
 """
 
 from __future__ import annotations
@@ -12,26 +19,58 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from erase_tune.errors import WorkloadError
+from erase_tune.errors import WorkloadError, shown
 from erase_tune.workloads import fused_if_cuda
 from erase_tune.workloads.base import Batch, Workload, WorkloadData, prior_entropy
+from erase_tune.workloads.limits import (
+    MAX_SEED,
+    TRAINING_BYTES_PER_PARAMETER,
+    Need,
+    check_int,
+    check_memory,
+)
 
-__all__ = ["NUM_FEATURES", "NUM_CLASSES", "DATASETS", "MLPBlock", "DeepMLP", "workload"]
+__all__ = [
+    "NUM_FEATURES",
+    "NUM_CLASSES",
+    "DATASETS",
+    "InputBlock",
+    "MLPBlock",
+    "DeepMLP",
+    "cut_candidates",
+    "fan_in_adam",
+    "workload",
+]
 
 NUM_FEATURES = 64
 NUM_CLASSES = 10
 DATASETS = ("digits", "synthetic")
 _HELD_OUT = 0.2
 """Share of digits kept for evaluation."""
+_REFERENCE_FAN_IN = NUM_FEATURES
+"""Fan-in at which a matrix steps at the full ``lr`` (see :func:`fan_in_adam`)."""
 _DEFAULT_DATASET = "digits" if importlib.util.find_spec("sklearn") is not None else "synthetic"
 # find_spec, not import: importing scikit-learn costs about a second and this module is
 # imported whenever any workload is listed.
+
+
+class InputBlock(nn.Module):
+    """Input projection, Linear → ReLU: (B, in_dim) → (B, W). The chain's first block."""
+
+    def __init__(self, *, in_dim: int, width: int) -> None:
+        super().__init__()
+        # PyTorch's default Linear initialisation, as the projection always had.
+        self.linear = nn.Linear(in_dim, width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.relu(self.linear(x))
 
 
 class MLPBlock(nn.Module):
@@ -50,17 +89,23 @@ class MLPBlock(nn.Module):
 
 
 class DeepMLP(nn.Module):
-    """``forward(x (B, in_dim) float) -> logits (B, classes)``: input projection, ``depth``
-    blocks in ``layers`` (a chain, so any run ``layers.i:j`` is a cut target), classifier."""
+    """``forward(x (B, in_dim) float) -> logits (B, classes)``: the chain ``layers`` (input
+    projection ``layers.0``, then ``depth`` hidden blocks), then the classifier ``head``.
+
+    Any run ``layers.i:j`` is a cut target, and ``layers.0:j`` is one that leaves no
+    parameter upstream of it (see the module docstring).
+    """
 
     def __init__(self, *, in_dim: int, width: int, depth: int, classes: int, layer_norm: bool = True) -> None:
         super().__init__()
-        self.input = nn.Sequential(nn.Linear(in_dim, width), nn.ReLU())
-        self.layers = nn.ModuleList(MLPBlock(width=width, layer_norm=layer_norm) for _ in range(depth))
+        # Built in the order the parameters always were (projection, blocks, classifier), so
+        # a seed gives the same weights as before the projection joined the chain.
+        blocks = [InputBlock(in_dim=in_dim, width=width)]
+        blocks += [MLPBlock(width=width, layer_norm=layer_norm) for _ in range(depth)]
+        self.layers = nn.ModuleList(blocks)
         self.head = nn.Linear(width, classes)
 
     def forward(self, x: Tensor) -> Tensor:
-        x = self.input(x)
         for layer in self.layers:
             x = layer(x)
         return self.head(x)
@@ -139,13 +184,96 @@ def _build_model(*, args: dict[str, Any]) -> DeepMLP:
         )
 
 
+def _example(device: torch.device, *, args: dict[str, Any]) -> Batch:
+    """The first training batch of a one-batch pool (for digits, the same images as the
+    full pool's first batch), whatever ``train_batches`` is."""
+    return _make_data(device, args={**args, "train_batches": 1, "eval_batches": 1}).batch(0)
+
+
+def fan_in_adam(params: Iterable[nn.Parameter], *, lr: float) -> torch.optim.Optimizer:
+    """Adam whose step size for a weight matrix of fan-in ``n`` is ``lr * min(1, 64 / n)``
+    (biases and norm gains keep ``lr``): µP's rule for Adam, so ``lr`` means the same at
+    every width.
+
+    Why: Adam's step is about ``lr`` per entry whatever the gradient's size, and a batch's
+    gradient of a layer is nearly low rank, so one step moves a ``width x width`` matrix by
+    about ``lr * width`` in spectral norm: 0.15-0.21 after the first step at width 1024 and
+    lr 3e-4, against 2.8 for the He-initialised matrix. This plain ReLU stack already maps
+    different images onto nearly one direction at init (after the last block, mean cosine
+    0.97 between images: the known drift of deep ReLU nets), and those first steps grow
+    that direction until it is all there is (from block 20 on, within two steps): every
+    image reaches the head as the same vector, the loss sits at ln 10 and NE at 1.0. With
+    one step size for all layers, lr 3e-4 trained at widths 256 and 512, and lr 1e-3 did
+    not at 256. With the step scaled by ``64 / fan_in`` (the input layer, fan-in 64, keeps
+    ``lr``), lr 1e-3 trained at every width tried, 64 to 1024. The aux heads a cut adds are
+    matrices of fan-in ``width`` too, and get the same rule.
+    """
+    groups: dict[float, list[nn.Parameter]] = {}
+    for p in params:
+        fan_in = math.prod(p.shape[1:]) if p.ndim >= 2 else 0
+        scale = min(1.0, _REFERENCE_FAN_IN / fan_in) if fan_in else 1.0
+        groups.setdefault(lr * scale, []).append(p)
+    # One param group per distinct step size: few groups, so the fused/foreach kernels
+    # still update many tensors per launch.
+    return fused_if_cuda(torch.optim.Adam, [{"params": ps, "lr": group_lr} for group_lr, ps in groups.items()], lr=lr)
+
+
+# Bounds on the integer arguments: far above any real run, low enough that no argument can
+# make the factory hang.
+_BOUNDS = {
+    "batch": (1, 2**20),
+    "width": (1, 2**16),
+    "depth": (1, 1024),
+    "train_batches": (1, 2**20),
+    "eval_batches": (1, 2**20),
+    "seed": (0, MAX_SEED),
+}
+
+_BYTES_PER_EXAMPLE = 800
+"""Peak host memory per pooled example while building the pools (64 float32 features and
+an int64 label are 264 B; the synthetic draw holds about three copies). Measured 1.2x (digits) to
+3x (synthetic) the pools' size on a CPU (torch 2.13)."""
+
+
+def _parameter_count(args: dict[str, Any]) -> int:
+    """Parameters of :class:`DeepMLP` for ``args`` (counted, not built: see ``limits``)."""
+    w = args["width"]
+    block = w * w + w + (2 * w if args["layer_norm"] else 0)
+    return (NUM_FEATURES + 1) * w + args["depth"] * block + (w + 1) * NUM_CLASSES
+
+
+def _needs(args: dict[str, Any]) -> list[Need]:
+    """What the model (trained with Adam) and the data pools need, from the arguments alone."""
+    params = _parameter_count(args)
+    examples = (args["train_batches"] + args["eval_batches"]) * args["batch"]
+    return [
+        Need("the model", params * TRAINING_BYTES_PER_PARAMETER, f"depth={args['depth']}, width={args['width']}"),
+        Need(
+            "the train/eval pools",
+            examples * _BYTES_PER_EXAMPLE,
+            f"batch={args['batch']} x (train_batches={args['train_batches']} + eval_batches={args['eval_batches']})",
+        ),
+    ]
+
+
 def cut_candidates(depth: int) -> tuple[str, ...]:
-    """Thirds of the stack as runs (``layers.0:10`` ... for depth 30), then single blocks
-    every ``depth // 6`` layers."""
-    thirds = [round(i * depth / 3) for i in range(4)]
-    runs = [f"layers.{a}:{b}" for a, b in zip(thirds, thirds[1:]) if b > a]
-    singles = [f"layers.{i}" for i in range(0, depth, max(1, depth // 6))]
-    return tuple(dict.fromkeys(runs + singles))
+    """Cut candidates of a ``depth``-block stack, in chain order, upstream first.
+
+    First the paper's pieces: the hidden blocks split in thirds (after ``round(depth / 3)``
+    and ``round(2 * depth / 3)`` of them), the first third together with the input
+    projection ``layers.0``, so ``layers.0:11``, ``layers.11:21``, ``layers.21:31`` for depth 30.
+    Detaching the first ``k`` of them leaves no parameter untrained; detaching a later one
+    without those before it starves the projection and the blocks upstream of it, which is
+    why they come first (a search offers "detach" for a candidate only once the candidates
+    before it cover its upstream). Then single hidden blocks every ``max(1, depth // 6)``
+    (``layers.1``, ``layers.6``, ..., ``layers.26`` for depth 30), for placement on a side
+    stream (a placement detaches nothing, so it starves nothing); a single that is already a
+    one-block piece is not repeated.
+    """
+    bounds = [0, *(1 + round(i * depth / 3) for i in (1, 2)), depth + 1]
+    pieces = [f"layers.{a}:{b}" for a, b in zip(bounds, bounds[1:]) if b > a]
+    singles = [f"layers.{i}" for i in range(1, depth + 1, max(1, depth // 6)) if f"layers.{i}:{i + 1}" not in pieces]
+    return tuple(pieces + singles)
 
 
 def workload(
@@ -163,21 +291,26 @@ def workload(
     """The deep-MLP proxy. ``dataset`` is ``"digits"`` (default when scikit-learn is
     installed) or ``"synthetic"``.
 
-    ``lr=1e-3`` suits widths up to ~128. Wider stacks need less: at width 256 and 512 this
-    30-layer plain MLP collapsed to chance with 1e-3 and trained well with 3e-4 (CPU, digits).
+    ``lr`` is Adam's step size at fan-in 64; wider matrices step at ``lr * 64 / fan_in``
+    (:func:`fan_in_adam`), so one ``lr`` suits every width: 1e-3 took this 30-layer stack
+    to held-out NE 0.04-0.13 in 100 steps at width 256 (seeds 0-2) and 0.05 at 1024 (CPU,
+    digits, batch 512). One step size for all layers left it at 0.6-1.0 (width 256, lr
+    1e-3) and 1.006 (width 1024, lr 3e-4).
     """
     args = dict(locals())
-    for name in ("batch", "width", "depth", "train_batches", "eval_batches"):
-        if args[name] < 1:
-            raise WorkloadError(f"workload 'mlp': argument {name!r} must be an integer >= 1, got {args[name]!r}")
+    for name, (low, high) in _BOUNDS.items():
+        check_int("mlp", name, args[name], low, high)
     if not (lr > 0 and math.isfinite(lr)):
-        raise WorkloadError(f"workload 'mlp': argument 'lr' must be a finite number > 0, got {lr!r}")
+        raise WorkloadError(f"workload 'mlp': argument 'lr' must be a finite number > 0, got {shown(lr)}")
     if dataset not in DATASETS:
-        raise WorkloadError(f"workload 'mlp': argument 'dataset' must be one of {', '.join(DATASETS)}, got {dataset!r}")
+        raise WorkloadError(
+            f"workload 'mlp': argument 'dataset' must be one of {', '.join(DATASETS)}, got {shown(dataset)}"
+        )
     if dataset == "digits" and importlib.util.find_spec("sklearn") is None:
         raise WorkloadError(
             "workload 'mlp': dataset 'digits' needs scikit-learn, which is not installed (use dataset='synthetic')"
         )
+    check_memory("mlp", _needs(args))
     return Workload(
         name="mlp",
         args=dict(args),
@@ -186,5 +319,6 @@ def workload(
         make_data=functools.partial(_make_data, args=args),
         cut_candidates=cut_candidates(depth),
         batch_size=batch,
-        optimizer=functools.partial(fused_if_cuda, torch.optim.Adam, lr=lr),
+        optimizer=functools.partial(fan_in_adam, lr=lr),
+        make_example=functools.partial(_example, args=args),
     )

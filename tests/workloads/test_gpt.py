@@ -7,7 +7,7 @@ import math
 import torch
 
 from erase_tune.workloads import get_workload
-from erase_tune.workloads.gpt import GPT, stdlib_text
+from erase_tune.workloads.gpt import GPT, Embed, cut_candidates, stdlib_text
 from tests.workloads.training import train
 
 CPU = torch.device("cpu")
@@ -25,21 +25,35 @@ def test_shapes_and_cut_candidates() -> None:
     assert model(idx).shape == (4, 32, 256)
     assert len(data.train) == 6 and len(data.eval) == 2
     assert 0 < data.prior_entropy < math.log(256)
-    assert wl.cut_candidates == ("blocks.0", "blocks.1", "blocks.2", "blocks.0:2", "blocks.1:3")
+    assert wl.cut_candidates == ("blocks.0:3", "blocks.3:4", "blocks.1", "blocks.2")
     modules = dict(model.named_modules())
     for name in wl.cut_candidates:
         assert name.split(":")[0] in modules
 
 
+def test_cut_candidates() -> None:
+    # Pieces of two blocks in chain order, the first with the embedding, then single blocks.
+    assert cut_candidates(6) == (
+        "blocks.0:3", "blocks.3:5", "blocks.5:7",
+        "blocks.1", "blocks.2", "blocks.3", "blocks.4", "blocks.5", "blocks.6",
+    )  # fmt: skip
+    assert cut_candidates(4) == ("blocks.0:3", "blocks.3:5", "blocks.1", "blocks.2", "blocks.3", "blocks.4")
+    assert cut_candidates(2) == ("blocks.0:3", "blocks.1", "blocks.2")
+    assert cut_candidates(1) == ("blocks.0:2", "blocks.1")
+
+
 def test_blocks_are_a_plain_chain() -> None:
     # A run of blocks is a cut only if the model calls them as x = b(x); check the forward
-    # equals that chain done by hand.
+    # equals that chain done by hand, starting from the embedding (the chain's first block).
     wl = get_workload("gpt", SMALL)
     model = wl.build_model()
     (idx,), _ = wl.make_data(CPU).batch(0)
+    embed, *blocks = model.blocks
+    assert isinstance(embed, Embed) and len(blocks) == SMALL["n_layer"]
     with torch.no_grad():
-        x = model.wte(idx) + model.wpe(torch.arange(idx.shape[1]))
-        for block in model.blocks:
+        x = embed(idx)
+        assert torch.equal(x, embed.wte(idx) + embed.wpe(torch.arange(idx.shape[1])))
+        for block in blocks:
             y = block(x)
             assert y.shape == x.shape
             x = y

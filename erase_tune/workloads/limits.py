@@ -1,0 +1,113 @@
+"""Limits on workload arguments: integer bounds, and a memory estimate checked before building.
+
+A workload argument can ask for more than any machine holds (``rows: 1000000000000``) or for
+so many modules that building the model never finishes (``depth: 10**9``). Unchecked, that
+ends in the allocator's RuntimeError or the kernel's OOM killer, after a job was accepted
+and its model half built. The built-in factories call these helpers before they return, and
+a factory runs before anything is allocated, so such a job fails at once with one line that
+names the argument.
+
+The memory estimate is deliberately rough ("about"): parameters with their training state
+(weights, gradients, Adam's moments), plus the data pools at the peak of building them;
+activations are not counted. The cap is this machine's memory (or its cgroup limit): every
+workload builds its model on the CPU first (``Workload.build_model``), and a CPU run holds
+all of it there. For a run on an accelerator the check is conservative: the optimizer state
+(and the ctr synthetic pools, generated on the device) then live in device memory.
+
+The built-ins count their parameters by formula rather than by building the model, even on
+the meta device: that costs about a millisecond per module, over a second at the argument
+bounds (1024 embedding tables).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable
+
+from erase_tune.errors import WorkloadError, shown
+
+__all__ = [
+    "MAX_SEED",
+    "TRAINING_BYTES_PER_PARAMETER",
+    "Need",
+    "check_int",
+    "check_memory",
+    "format_bytes",
+    "host_memory_bytes",
+]
+
+MAX_SEED = 2**32 - 1
+"""Seeds are drawn from [0, 2**32): what every RNG we seed (torch, numpy) accepts as is."""
+
+TRAINING_BYTES_PER_PARAMETER = 16
+"""float32 weight, its gradient and Adam's two moments (every built-in trains with Adam)."""
+
+
+def check_int(workload: str, name: str, value: int, low: int, high: int) -> None:
+    """Raise :class:`WorkloadError` unless ``value`` is an integer in ``[low, high]``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise WorkloadError(f"workload {workload!r}: argument {name!r} must be an integer, got {shown(value)}")
+    got = value if abs(value) < 10**40 else shown(value)  # the number itself while it is short
+    if value < low:
+        raise WorkloadError(f"workload {workload!r}: argument {name!r} must be an integer >= {low}, got {got}")
+    if value > high:
+        raise WorkloadError(f"workload {workload!r}: argument {name!r} must be an integer <= {high}, got {got}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Need:
+    """The bytes one part of a workload needs, and the arguments that set them."""
+
+    what: str
+    """The part, as the message names it: ``"the embedding tables"``."""
+    nbytes: int
+    """Estimated bytes at the part's peak."""
+    cause: str
+    """The arguments that size it, as the message names them: ``"num_tables=26 x rows=1000"``."""
+
+
+def host_memory_bytes() -> int:
+    """This machine's physical memory, or this process's cgroup memory limit if lower."""
+    try:
+        import psutil
+
+        total = int(psutil.virtual_memory().total)
+    except Exception:  # psutil missing or unable to read this platform: ask the OS directly
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    # A container's OOM killer acts at its cgroup limit, not at the host's memory.
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path, encoding="ascii") as handle:
+                text = handle.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return total
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes in decimal units, two significant digits: ``6.7 TB``, ``24 GB``."""
+    for unit in ("B", "kB", "MB", "GB", "TB", "PB", "EB", "ZB"):
+        if n < 999.5 or unit == "ZB":
+            break
+        n /= 1000
+    return f"{n:.2g} {unit}" if n < 10 else f"{n:.0f} {unit}"
+
+
+def check_memory(workload: str, needs: Iterable[Need]) -> None:
+    """Raise :class:`WorkloadError` (one line, naming the largest part and its arguments)
+    when the parts together need more than this machine's memory."""
+    needs = list(needs)
+    total = sum(need.nbytes for need in needs)
+    cap = host_memory_bytes()
+    if total <= cap:
+        return
+    largest = max(needs, key=lambda need: need.nbytes)
+    # Name the total too when the other parts matter: it is what the cap is compared with.
+    in_all = f" ({format_bytes(total)} in all)" if total > 1.05 * largest.nbytes else ""
+    raise WorkloadError(
+        f"workload {workload!r}: {largest.cause} needs about {format_bytes(largest.nbytes)} for {largest.what}"
+        f"{in_all}, more than this machine's {format_bytes(cap)} of memory"
+    )
