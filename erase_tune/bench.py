@@ -2,8 +2,9 @@
 
 Answers "what does each way of running ERASE buy on this workload and device?": a plain
 hand-written training loop, the eager baseline (engine, no cuts), the whole-step-graph
-baseline, ERASE blocking / threaded / per-cut graphs, and whole-step graph with the cuts
-detached only or with full ERASE. All variants start from the same weights, see the same
+baseline, ERASE blocking / threaded / per-cut graphs, and whole-step graph with the cut
+modules placed on side streams only (not detached: gradients unchanged), detached only (one
+stream, no early launch), or with full ERASE. All variants start from the same weights, see the same
 batches, and are timed in alternating windows in one process; every speed-up is a
 per-window ratio against the eager and the graph baseline, reported as median [lo, hi].
 With ``trace_dir`` the ERASE variants are then profiled for a few steps and the cross-stream
@@ -14,13 +15,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from erase_tune.errors import EraseTuneError
+from erase_tune.errors import EraseTuneError, one_line, shown
 from erase_tune.measure import (
     profile_steps,
     provenance,
@@ -28,7 +31,7 @@ from erase_tune.measure import (
     ratio_spread,
     time_interleaved,
 )
-from erase_tune.runtime import Cut, ErasePlan
+from erase_tune.runtime import Cut, ErasePlan, Placement
 from erase_tune.runtime.device import resolve_device
 from erase_tune.trial import Budget, Variant, build_engine, jsonable_args, release
 from erase_tune.workloads import Workload, WorkloadData
@@ -38,7 +41,7 @@ __all__ = ["BenchRow", "BenchResult", "bench_plans", "run_bench", "disjoint_cuts
 PLAIN = "plain loop"
 EAGER = "eager baseline"
 GRAPH = "graph baseline"
-TRACED = ("ERASE threaded", "graph + ERASE")
+TRACED = ("ERASE threaded", "graph + placement only", "graph + ERASE")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -113,6 +116,9 @@ def bench_plans(cuts: Sequence[str], streams: int, device: torch.device) -> dict
         cs = tuple(Cut(module=c, stream=1 + i % streams, graph=graph) for i, c in enumerate(cuts))
         return ErasePlan(cuts=cs, num_streams=streams, **kw)
 
+    placed = ErasePlan(placements=tuple(Placement(module=c, stream=1 + i % streams) for i, c in enumerate(cuts)),
+                       num_streams=streams, whole_step_graph=True)
+
     plans: dict[str, ErasePlan | None] = {PLAIN: None, EAGER: ErasePlan()}
     cuda = device.type == "cuda"
     if cuda:
@@ -121,6 +127,7 @@ def bench_plans(cuts: Sequence[str], streams: int, device: torch.device) -> dict
     plans["ERASE threaded"] = erase(dispatch="threaded")
     if cuda:
         plans["ERASE per-cut graphs"] = erase(graph=True, dispatch="threaded")
+        plans["graph + placement only"] = placed
         plans["graph + detach only"] = dataclasses.replace(erase().detach_only(), whole_step_graph=True)
         plans["graph + ERASE"] = erase(dispatch="blocking", whole_step_graph=True)
     return plans
@@ -142,6 +149,20 @@ class _PlainLoop:
         self.optimizer.step()
 
 
+def _trace_dir(path: str | Path) -> Path:
+    """``path``, created if missing; one line if traces cannot be written there."""
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".erase-tune-trace.", dir=out)  # permission bits do not tell
+        os.close(fd)
+        os.unlink(probe)
+    except (OSError, ValueError) as e:  # ValueError: a NUL in the path
+        reason = getattr(e, "strerror", None) or str(e)
+        raise EraseTuneError(f"--trace: cannot write traces in {one_line(str(out), 300)}: {reason}") from None
+    return out
+
+
 def run_bench(
     workload: Workload,
     *,
@@ -153,6 +174,8 @@ def run_bench(
     only: Sequence[str] | None = None,
 ) -> BenchResult:
     """Time every variant of :func:`bench_plans` on ``workload``; see the module docstring."""
+    if trace_dir is not None:  # before anything runs: a --trace that cannot be written fails at once
+        trace_dir = _trace_dir(trace_dir)
     device = resolve_device(device)
     torch.manual_seed(budget.seed)
     data = workload.make_data(device)
@@ -162,7 +185,7 @@ def run_bench(
     if only:
         unknown = [n for n in only if n not in plans]
         if unknown:
-            raise EraseTuneError(f"bench: unknown variant {unknown[0]!r} (variants: {', '.join(plans)})")
+            raise EraseTuneError(f"bench: unknown variant {shown(unknown[0])} (variants: {', '.join(plans)})")
         plans = {n: p for n, p in plans.items() if n in only or n in (EAGER, GRAPH)}
     for p in plans.values():
         if p is not None:

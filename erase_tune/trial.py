@@ -1,12 +1,19 @@
 """One trial: a candidate plan against the baseline, measured side by side in one process.
 
-The numbers users act on come from here, so the protocol follows DESIGN.md's measurement
-rules: baseline (no cuts), candidate, its "detach only" twin (same cuts, no early launch)
+The numbers users act on come from here, so the protocol follows the measurement
+rules of docs/design.md: baseline (no cuts), candidate, its "detach only" twin (same cuts, no early launch)
 and the best non-detached reference (whole-step CUDA graph, no cuts; CUDA only) all start
 from the same weights, see the same batches, and are timed on the device in alternating
 windows after warm-up. Gains are ratios of those samples: p90 and median of per-step QPS,
 with the spread of the per-window ratio. Quality is held-out NE of baseline and candidate
 after the same training steps; the NE gap is ``(NE_cand - NE_base) / NE_base``.
+
+With ``process_group`` (a trial of k ranks): every rank runs the same protocol, every variant
+(baseline included) averages its gradients across the group (:class:`EraseEngine`'s
+``process_group``), rank r trains step s on batch ``s·k + r`` (each rank a full ``batch``: the
+workload's batch is per rank), and QPS counts all ranks' examples (k·batch per step, timed on
+this rank; the step's collectives keep the ranks in step). Every rank returns the same NE;
+the service keeps rank 0's result.
 """
 
 from __future__ import annotations
@@ -32,6 +39,9 @@ __all__ = ["Budget", "VariantResult", "TrialResult", "TrialFailed", "run_trial",
 
 GRAPH_WARMUP = 3
 """Eager steps an engine runs before capturing a CUDA graph (capture happens on the next)."""
+MAX_STEPS = 1_000_000
+"""Largest step count of any budget field: a trial is minutes, not weeks."""
+MAX_SEED = 2**32 - 1
 
 
 class TrialFailed(EraseTuneError, RuntimeError):
@@ -60,8 +70,10 @@ class Budget:
     def __post_init__(self) -> None:
         for name in ("warmup_steps", "windows", "window_steps", "quality_steps", "seed"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise EraseTuneError(f"budget.{name}: {value!r} must be an integer >= 0")
+            top = MAX_SEED if name == "seed" else MAX_STEPS
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= top:
+                shown = "a huge integer" if isinstance(value, int) and abs(value) > 10**12 else repr(value)
+                raise EraseTuneError(f"budget.{name}: {shown} must be an integer in 0..{top}")
         if self.warmup_steps < GRAPH_WARMUP + 2:
             raise EraseTuneError(
                 f"budget.warmup_steps: {self.warmup_steps} is too short; CUDA graphs need {GRAPH_WARMUP + 2} "
@@ -147,15 +159,19 @@ class Variant:
     engine: EraseEngine
     data: WorkloadData
     last_loss: torch.Tensor | None = None
+    rank: int = 0
+    world: int = 1
+    """Data parallel: this rank trains step ``s`` on batch ``s·world + rank``."""
 
     def __call__(self, step: int) -> None:
-        inputs, target = self.data.batch(step)
+        inputs, target = self.data.batch(step * self.world + self.rank)
         self.last_loss = self.engine.step(inputs, target)
 
 
 def build_engine(workload: Workload, plan: ErasePlan, init: torch.nn.Module, data: WorkloadData,
-                 device: torch.device) -> EraseEngine:
-    """A copy of the initial model ``init`` on ``device``, trained under ``plan``."""
+                 device: torch.device, process_group: Any = None) -> EraseEngine:
+    """A copy of the initial model ``init`` on ``device``, trained under ``plan`` (data parallel
+    across ``process_group`` when one is given)."""
     model = copy.deepcopy(init).to(device)
     return EraseEngine(
         model,
@@ -165,7 +181,17 @@ def build_engine(workload: Workload, plan: ErasePlan, init: torch.nn.Module, dat
         example=data.batch(0),
         make_head=workload.make_head,
         graph_warmup=GRAPH_WARMUP,
+        process_group=process_group,
     )
+
+
+def ranks_of(process_group: Any) -> tuple[int, int]:
+    """(rank, world size) in ``process_group``; (0, 1) without one."""
+    if process_group is None:
+        return 0, 1
+    import torch.distributed as dist
+
+    return dist.get_rank(process_group), dist.get_world_size(process_group)
 
 
 def run_trial(
@@ -175,12 +201,15 @@ def run_trial(
     device: str | torch.device | None = None,
     *,
     baseline_ne: float | None = None,
+    process_group: Any = None,
 ) -> TrialResult:
     """Measure ``plan`` on ``workload`` against the baseline; see the module docstring.
 
     ``baseline_ne``: the baseline's held-out NE from an earlier trial of the same workload,
     budget, seed and device (the service caches it); the baseline is then still timed but
-    not trained on for quality, which saves those steps.
+    not trained on for quality, which saves those steps. ``process_group``: run as one rank of
+    a data-parallel trial (see the module docstring); every rank of the group must call this
+    with the same arguments.
     """
     started = time.perf_counter()
     device = resolve_device(device)
@@ -188,6 +217,7 @@ def run_trial(
     data = workload.make_data(device)
     init = workload.build_model()
     plan.check_model(init)
+    rank, world = ranks_of(process_group)
 
     plans: dict[str, ErasePlan] = {"baseline": ErasePlan(), "candidate": plan}
     if budget.detach_only and plan.cuts:
@@ -197,13 +227,14 @@ def run_trial(
     variants: dict[str, Variant] = {}
     try:
         for name, p in plans.items():
-            variants[name] = Variant(plan=p, engine=build_engine(workload, p, init, data, device), data=data)
+            variants[name] = Variant(plan=p, engine=build_engine(workload, p, init, data, device, process_group),
+                                     data=data, rank=rank, world=world)
         timings = time_interleaved(
             variants, device=device, warmup_steps=budget.warmup_steps,
             windows=budget.windows, window_steps=budget.window_steps,
         )
         for name, v in variants.items():
-            _check_finite(name, v)
+            _check_finite(name, v, process_group)
         step = timings.next_step
         quality = ("candidate",) if baseline_ne is not None else ("baseline", "candidate")
         for _ in range(budget.quality_steps):
@@ -212,7 +243,7 @@ def run_trial(
             step += 1
         ne = {"baseline": baseline_ne}
         for name in quality:
-            _check_finite(name, variants[name])
+            _check_finite(name, variants[name], process_group)
             ne[name] = workload.normalized_entropy(variants[name].engine.model, data)
             if not math.isfinite(ne[name]):
                 raise TrialFailed(f"{name}: held-out NE is {ne[name]}")
@@ -220,7 +251,7 @@ def run_trial(
         release(variants.values(), device)
         variants.clear()
 
-    batch = workload.batch_size
+    batch = workload.batch_size * world  # all ranks' examples per step
     results = {}
     for name, t in timings.variants.items():
         s = qps_summary(t.steps_s, batch)
@@ -245,9 +276,9 @@ def run_trial(
         provenance=provenance(
             device, workload=workload.name, workload_args=jsonable_args(workload.args),
             budget=dataclasses.asdict(budget), training_steps=budget.training_steps,
-            baseline_ne_cached=baseline_ne is not None,
+            baseline_ne_cached=baseline_ne is not None, ranks=world,
             # > 1 means batches were re-read; a CTR proxy over-fits on a second pass, so NE is then suspect.
-            data_passes=round(budget.training_steps / len(data.train), 3),
+            data_passes=round(budget.training_steps * world / len(data.train), 3),
         ),
     )
 
@@ -262,8 +293,17 @@ def release(runners: Iterable[object], device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _check_finite(name: str, variant: Variant) -> None:
-    if variant.last_loss is not None and not bool(torch.isfinite(variant.last_loss)):
+def _check_finite(name: str, variant: Variant, process_group: Any = None) -> None:
+    bad = variant.last_loss is not None and not bool(torch.isfinite(variant.last_loss))
+    if process_group is not None:  # every rank fails together, or none does (no rank left waiting)
+        import torch.distributed as dist
+
+        device = variant.last_loss.device if variant.last_loss is not None else torch.device("cpu")
+        flag = torch.tensor([float(bad)], device=device)
+        dist.all_reduce(flag, group=process_group)
+        if flag.item() and not bad:
+            raise TrialFailed(f"{name}: training loss became non-finite on another rank ({variant.plan.describe()})")
+    if bad:
         raise TrialFailed(f"{name}: training loss became {float(variant.last_loss)} ({variant.plan.describe()})")
 
 

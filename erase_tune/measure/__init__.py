@@ -1,6 +1,6 @@
 """Measurement: interleaved device-side step timing, QPS statistics, stream overlap, provenance.
 
-These numbers are the product (DESIGN.md, "Measurement rules"): baseline and candidate are
+These numbers are the product (docs/design.md, "Measurement rules"): baseline and candidate are
 timed in the same process, alternating in windows; throughput is reported as p90 and median
 per-step QPS with its spread over windows; every figure carries its provenance.
 """

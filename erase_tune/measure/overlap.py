@@ -9,7 +9,7 @@ where "busy time" is the union of the stream's kernel intervals (so nested or ba
 kernels are not double-counted). 1.0 means every side-stream kernel ran under main-stream
 work; 0.0 means the side stream only ran while the main stream was idle.
 
-Read these numbers with care (DESIGN.md, lesson 4): under torch.profiler, kernels inside
+Read these numbers with care (docs/design.md, "Lessons"): under torch.profiler, kernels inside
 CUDA graph replays showed zero cross-stream overlap and ~2x longer steps, while eager
 threaded mode showed 13%. The profiler (CUPTI) can perturb graph concurrency, so judge the
 worth of overlap by the timing ablation ("detach only" twin vs early launch), and use the

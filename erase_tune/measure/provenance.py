@@ -1,6 +1,6 @@
 """Provenance of a measurement: where, with what, and when a figure was taken.
 
-DESIGN.md: every figure carries its device name, torch/CUDA versions, workload args, steps,
+docs/design.md: every figure carries its device name, torch/CUDA versions, workload args, steps,
 seed and date. A ratio measured on an H200 with torch 2.11 says little about an H100 with
 another CUDA, so the record travels with the numbers (as a plain JSON-ready dict).
 """

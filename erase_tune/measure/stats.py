@@ -6,7 +6,7 @@ samples a trial stores.
 * Per-step QPS is ``batch_size / step_time``. The paper reports the fast end of it: p90 is
   the 90th percentile of per-step QPS (``numpy.percentile(qps, 90)``, linear interpolation),
   not the QPS of the 90th-percentile step time.
-* A ratio between two variants is taken window by window (DESIGN.md: the eager baseline
+* A ratio between two variants is taken window by window (docs/design.md: the eager baseline
   drifts between runs, so a ratio is only meaningful between samples taken side by side);
   its spread over windows is what a reader needs to judge a 1-2% gain.
 """

@@ -1,6 +1,6 @@
 """Interleaved, device-side timing of training steps for several variants in one process.
 
-DESIGN.md's first measurement rule: baseline and candidate run in the same process on the
+The first measurement rule (docs/design.md): baseline and candidate run in the same process on the
 same device, alternating in windows after warm-up, and a gain is a ratio of the two. The
 CPU-launch-bound eager baseline drifts from run to run (1.11x one run, 1.19x the next), so
 only variants timed side by side, window against window, can be compared.
@@ -49,7 +49,7 @@ class Timings:
             raise ValueError(f"steps_s has {len(self.steps_s)} samples but window has {len(self.window)} labels")
 
     def to_dict(self) -> dict[str, list[float] | list[int]]:
-        """The raw samples as JSON-ready lists (DESIGN.md: record the raw per-step samples)."""
+        """The raw samples as JSON-ready lists (docs/design.md: record the raw per-step samples)."""
         return {"steps_s": list(self.steps_s), "window": list(self.window)}
 
 
