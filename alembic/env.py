@@ -19,7 +19,7 @@ from alembic import context
 from sqlalchemy import Connection
 
 from erase_tune.errors import EraseTuneError
-from erase_tune.store.engine import build_engine, parse_url
+from erase_tune.store.engine import WRITE_OPTION, build_engine, parse_url
 from erase_tune.store.models import VERSION_TABLE, Base, include_name, include_object
 
 config = context.config
@@ -74,7 +74,7 @@ def run_migrations_online() -> None:
     engine = build_engine(parse_url(_url()))
     try:
         with engine.connect() as conn:
-            _run(conn.execution_options(erase_tune_write=True))
+            _run(conn.execution_options(**{WRITE_OPTION: True}))
             conn.commit()
     finally:
         engine.dispose()

@@ -9,17 +9,21 @@ and driver messages are scrubbed of every secret the URL carried.
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
-from sqlalchemy.engine import URL, make_url
+from sqlalchemy.dialects import plugins
+from sqlalchemy.engine import URL, CreateEnginePlugin, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
-from sqlalchemy.pool import StaticPool
+from sqlalchemy.pool import NullPool, StaticPool
 
+from erase_tune import errors
 from erase_tune.errors import EraseTuneError
 
-__all__ = ["SUPPORTED_BACKENDS", "default_storage_url", "redact_url", "parse_url", "build_engine", "one_line"]
+__all__ = ["SUPPORTED_BACKENDS", "STORAGE_ENV", "default_storage_url", "redact_url", "shown_url", "parse_url",
+           "engine_kwargs", "build_engine", "one_line"]
 
 SUPPORTED_BACKENDS = ("sqlite", "postgresql")
 """The backends the upserts in :mod:`erase_tune.store.repo` are written (and tested) for."""
@@ -34,9 +38,14 @@ _USERINFO = re.compile(r"(?P<head>://[^/@:]*):[^/@]*@")
 _QUERY_SECRET = re.compile(r"(?P<key>[?&][^=&]*(?:pass|pwd|secret|token|key)[^=&]*=)[^&]*", re.IGNORECASE)
 
 
+STORAGE_ENV = "ERASE_TUNE_STORAGE"
+"""The environment variable that names the storage when ``--storage`` is not given."""
+
+
 def default_storage_url() -> str:
-    """The embedded single-machine default: a SQLite file in the working directory."""
-    return "sqlite:///erase-tune.db"
+    """``$ERASE_TUNE_STORAGE`` if set, else the embedded single-machine default: a SQLite
+    file in the working directory. (An empty ``--storage`` is an error, not this default.)"""
+    return os.environ.get(STORAGE_ENV) or "sqlite:///erase-tune.db"
 
 
 def redact_url(url: str | URL) -> str:
@@ -48,6 +57,11 @@ def redact_url(url: str | URL) -> str:
         text = str(url)
         return _QUERY_SECRET.sub(r"\g<key>***", _USERINFO.sub(r"\g<head>:***@", text))
     return _QUERY_SECRET.sub(r"\g<key>***", parsed.render_as_string(hide_password=True))
+
+
+def shown_url(url: str | URL, limit: int = 300) -> str:
+    """:func:`redact_url` for an error message: one line, at most ``limit`` characters."""
+    return errors.one_line(redact_url(url), limit)
 
 
 def _secrets(url: URL) -> list[str]:
@@ -76,24 +90,24 @@ def parse_url(url: str) -> URL:
     except (ArgumentError, ValueError):
         # SQLAlchemy's own message quotes the raw string, password included: never show it.
         raise EraseTuneError(
-            f"cannot parse storage URL {redact_url(url)!r}: expected dialect+driver://user@host/dbname "
+            f"cannot parse storage URL '{shown_url(url)}': expected dialect+driver://user@host/dbname "
             "or sqlite:///path.db"
         ) from None
     try:
         dialect = parsed.get_dialect()
     except NoSuchModuleError:
         raise EraseTuneError(
-            f"unknown database driver {parsed.drivername!r} in storage URL {redact_url(parsed)}: "
+            f"unknown database driver {parsed.drivername!r} in storage URL {shown_url(parsed)}: "
             "use sqlite:///path.db or postgresql+psycopg://user@host/dbname"
         ) from None
     if dialect.name not in SUPPORTED_BACKENDS:
         raise EraseTuneError(
-            f"database backend {dialect.name!r} (storage URL {redact_url(parsed)}) is not supported: "
+            f"database backend {dialect.name!r} (storage URL {shown_url(parsed)}) is not supported: "
             f"use one of {', '.join(SUPPORTED_BACKENDS)}"
         )
     if getattr(dialect, "is_async", False):
         raise EraseTuneError(
-            f"async driver {parsed.drivername!r} in storage URL {redact_url(parsed)} is not supported: "
+            f"async driver {parsed.drivername!r} in storage URL {shown_url(parsed)} is not supported: "
             "use a synchronous one such as postgresql+psycopg"
         )
     return parsed
@@ -103,53 +117,80 @@ def _is_sqlite_memory(url: URL) -> bool:
     return url.database in (None, "", ":memory:") or "mode=memory" in str(url.query.get("mode", ""))
 
 
-def build_engine(url: URL) -> Engine:
-    """An engine configured for the backend. Imports the driver, does not connect."""
+def engine_kwargs(url: URL) -> dict[str, Any]:
+    """The ``create_engine`` arguments for ``url``: the one configuration that both Optuna's
+    storage and erase-tune's tables use (``RDBStorage(engine_kwargs=...)`` and
+    :func:`build_engine`), so a storage URL never yields two differently behaving engines."""
     kwargs: dict[str, Any] = {}
     if url.get_backend_name() == "sqlite":
-        # Ray workers and the driver's threads share one Store: sqlite3 must not pin a
+        # Ray workers and the driver's threads share connections: sqlite3 must not pin a
         # connection to the thread that opened it (the pool already serialises access).
         kwargs["connect_args"] = {"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}
-        if _is_sqlite_memory(url):
-            # Every new connection to :memory: is a new, empty database: share one.
-            kwargs["poolclass"] = StaticPool
+        kwargs["plugins"] = [_SQLITE_PLUGIN]
+        # :memory: is a new, empty database per connection: share one. A file gets a fresh
+        # connection per use (cheap for SQLite): a pooled handle would hide the file being
+        # made read-only or replaced until much later, and hold it open meanwhile.
+        kwargs["poolclass"] = StaticPool if _is_sqlite_memory(url) else NullPool
     else:
         # A driver that outlives a database restart must not hand out dead connections.
         kwargs["pool_pre_ping"] = True
+    return kwargs
+
+
+def build_engine(url: URL) -> Engine:
+    """An engine configured by :func:`engine_kwargs`. Imports the driver, does not connect."""
     try:
-        engine = create_engine(url, **kwargs)
+        return create_engine(url, **engine_kwargs(url))
     except (NoSuchModuleError, ImportError) as exc:
         raise EraseTuneError(
-            f"cannot load the database driver for storage URL {redact_url(url)}: {one_line(exc, url)}"
+            f"cannot load the database driver for storage URL {shown_url(url)}: {one_line(exc, url)}"
         ) from None
-    if url.get_backend_name() == "sqlite":
-        _configure_sqlite(engine, memory=_is_sqlite_memory(url))
-    return engine
 
 
-def _configure_sqlite(engine: Engine, *, memory: bool) -> None:
-    """WAL, busy timeout, foreign keys, and real transactions for SQLite.
+class SQLiteSettings(CreateEnginePlugin):
+    """WAL, busy timeout, foreign keys, and real transactions for every SQLite engine.
+
+    Loaded by name through ``create_engine(plugins=[...])``, so it also configures the engine
+    Optuna builds inside ``RDBStorage`` before that engine's first connection.
 
     pysqlite's legacy transaction control neither BEGINs before DDL (so a failed migration
     would leave half a schema) nor before SELECT; we take over BEGIN as SQLAlchemy's SQLite
-    docs describe. Writers BEGIN IMMEDIATE: they take the write lock up front and wait for
-    it (busy timeout) instead of failing when a read transaction tries to upgrade to a write.
+    docs describe. erase-tune's own transactions (:data:`WRITE_OPTION`) are ``BEGIN
+    IMMEDIATE``: they take the write lock up front and wait for it (busy timeout), so two
+    processes on one file queue instead of failing with "database is locked" when a read
+    transaction tries to upgrade to a write. Optuna's own are plain ``BEGIN`` (it opens a
+    second connection inside a transaction, which IMMEDIATE would deadlock); the driver
+    retries those on a lock (:func:`erase_tune.store.storage.retrying`).
     """
 
-    @event.listens_for(engine, "connect")
-    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
-        dbapi_connection.isolation_level = None
-        cursor = dbapi_connection.cursor()
-        try:
-            if not memory:
-                # WAL lets readers (status, dashboard) proceed while a trial result is written.
-                cursor.execute("PRAGMA journal_mode=WAL")
-            cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
-            cursor.execute("PRAGMA foreign_keys=ON")
-        finally:
-            cursor.close()
+    def update_url(self, url: URL) -> URL:
+        return url  # the plugin takes no arguments from the URL
 
-    @event.listens_for(engine, "begin")
-    def _on_begin(conn: Any) -> None:
-        write = conn.get_execution_options().get("erase_tune_write", False)
-        conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+    def engine_created(self, engine: Engine) -> None:
+        memory = _is_sqlite_memory(engine.url)
+
+        @event.listens_for(engine, "connect")
+        def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+            dbapi_connection.isolation_level = None
+            cursor = dbapi_connection.cursor()
+            try:
+                if not memory:
+                    # WAL lets readers (status, dashboard) proceed while a result is written;
+                    # with WAL, synchronous=NORMAL is crash-safe for the application and skips
+                    # an fsync per commit (a trial writes a few dozen attributes).
+                    cursor.execute("PRAGMA journal_mode=WAL")
+                    cursor.execute("PRAGMA synchronous=NORMAL")
+                cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+                cursor.execute("PRAGMA foreign_keys=ON")
+            finally:
+                cursor.close()
+
+        @event.listens_for(engine, "begin")
+        def _on_begin(conn: Any) -> None:
+            conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get(WRITE_OPTION) else "BEGIN")
+
+
+_SQLITE_PLUGIN = "erase_tune_sqlite"
+WRITE_OPTION = "erase_tune_write"
+"""Execution option marking erase-tune's own connections (``BEGIN IMMEDIATE`` on SQLite)."""
+plugins.register(_SQLITE_PLUGIN, __name__, "SQLiteSettings")

@@ -26,6 +26,7 @@ from sqlalchemy import Connection, Engine
 
 from alembic import command
 from erase_tune.errors import EraseTuneError
+from erase_tune.store.engine import WRITE_OPTION
 from erase_tune.store.models import VERSION_TABLE
 
 __all__ = ["SchemaError", "scripts_dir", "alembic_config", "head_revision", "current_revision",
@@ -101,7 +102,7 @@ def _migration_connection(engine: Engine) -> Iterator[Connection]:
     # One transaction for the whole run: PostgreSQL (and SQLite, with the BEGIN handling
     # in engine.py) then roll a failed migration back completely.
     with engine.connect() as conn:
-        conn = conn.execution_options(erase_tune_write=True)
+        conn = conn.execution_options(**{WRITE_OPTION: True})
         with conn.begin():
             yield conn
 

@@ -1,4 +1,5 @@
-"""ORM tables for erase-tune's own data (jobs, trial measurements, baseline cache, exports).
+"""ORM tables for erase-tune's own data (jobs, trial outcomes, baseline cache, confirmations,
+exports).
 
 These tables live in the same database as Optuna's, so every name carries the ``et_`` prefix
 and Alembic is told (``include_name``/``include_object`` below) to look at nothing else:
@@ -37,10 +38,12 @@ __all__ = [
     "TABLE_PREFIX",
     "VERSION_TABLE",
     "JOB_STATUSES",
-    "TRIAL_STATUSES",
+    "OUTCOME_STATUSES",
+    "FAILURE_KINDS",
     "Base",
     "JobRow",
-    "TrialMeasurementRow",
+    "TrialOutcomeRow",
+    "ConfirmationRow",
     "BaselineRow",
     "ExportRow",
     "include_name",
@@ -53,7 +56,10 @@ VERSION_TABLE = "erase_tune_alembic_version"
 in the same database, so ours must have a different name."""
 
 JOB_STATUSES = ("running", "finished", "failed", "interrupted")
-TRIAL_STATUSES = ("complete", "failed", "pruned")
+OUTCOME_STATUSES = ("complete", "failed")
+FAILURE_KINDS = ("trial", "infra")
+"""``trial``: the plan or workload failed (invalid plan, NaN, OOM, capture): recorded once.
+``infra``: the worker, its node or its environment failed: retried, then recorded."""
 
 # Deterministic constraint names: Alembic can only drop or alter a constraint it can name,
 # and SQLite's batch mode needs the names to rebuild a table.
@@ -126,27 +132,48 @@ class JobRow(Base):
     finished_at: Mapped[dt.datetime | None]
 
 
-class TrialMeasurementRow(Base):
-    """What one Optuna trial measured; the study keeps only the objective values."""
+class TrialOutcomeRow(Base):
+    """What one trial's worker sent back beyond the scalar metrics (which live in the Optuna
+    trial's user attributes): raw samples with their windows, provenance, the failure."""
 
-    __tablename__ = "et_trial_measurements"
+    __tablename__ = "et_trial_outcomes"
     __table_args__ = (
-        # A retried trial updates its row instead of adding one (see Store.record_trial).
-        UniqueConstraint("job_id", "optuna_trial_number"),
-        CheckConstraint(_in("status", TRIAL_STATUSES), name="status"),
+        UniqueConstraint("job_id", "trial_number"),
+        CheckConstraint(_in("status", OUTCOME_STATUSES), name="status"),
+        CheckConstraint(f"failure_kind IS NULL OR {_in('failure_kind', FAILURE_KINDS)}", name="failure_kind"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     job_id: Mapped[int] = mapped_column(ForeignKey("et_jobs.id", ondelete="CASCADE"))
-    optuna_trial_number: Mapped[int] = mapped_column(Integer)
+    trial_number: Mapped[int] = mapped_column(Integer)
     plan_yaml: Mapped[str] = mapped_column(Text)
     status: Mapped[str] = mapped_column(String(16))
+    failure_kind: Mapped[str | None] = mapped_column(String(16))
     failure_reason: Mapped[str | None] = mapped_column(Text)
-    metrics: Mapped[dict[str, Any]]
+    traceback: Mapped[str | None] = mapped_column(Text)
+    attempts: Mapped[int] = mapped_column(Integer)
+    node: Mapped[str | None] = mapped_column(String(256))
     samples: Mapped[dict[str, Any]]
-    device: Mapped[str | None] = mapped_column(String(256))
-    ray_node: Mapped[str | None] = mapped_column(String(256))
-    duration_s: Mapped[float | None] = mapped_column(Float)
+    provenance: Mapped[dict[str, Any]]
+    created_at: Mapped[dt.datetime]
+
+
+class ConfirmationRow(Base):
+    """A second measurement of a front plan against its baseline, made before export."""
+
+    __tablename__ = "et_confirmations"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("et_jobs.id", ondelete="CASCADE"), index=True)
+    trial_number: Mapped[int] = mapped_column(Integer)
+    plan_yaml: Mapped[str] = mapped_column(Text)
+    gain_over: Mapped[str] = mapped_column(String(16))
+    windows: Mapped[int] = mapped_column(Integer)
+    gain: Mapped[float] = mapped_column(Float)
+    gain_lo: Mapped[float] = mapped_column(Float)
+    gain_hi: Mapped[float] = mapped_column(Float)
+    samples: Mapped[dict[str, Any]]
+    provenance: Mapped[dict[str, Any]]
     created_at: Mapped[dt.datetime]
 
 

@@ -1,8 +1,9 @@
 """The storage API: :class:`Store`, erase-tune's own tables behind one storage URL.
 
 A ``Store`` is cheap to build and thread-safe: it parses the URL at once (so a typo fails
-before any work starts) but creates the engine on first use, and creates no session,
-connection or engine at import time. All writes go through :meth:`Store._session`, the
+before any work starts) and either shares the engine it is given (the one behind Optuna's
+storage, see :func:`erase_tune.store.open_storage`) or creates its own, identically
+configured, on first use. Nothing connects at import time. All writes go through :meth:`Store._session`, the
 one place that commits or rolls back. Writes that a retry may repeat (a trial result, a
 baseline) are single-statement upserts, so two workers, or a worker and its retry, cannot
 create duplicates or race each other into an integrity error.
@@ -15,10 +16,9 @@ such instead of as "no such table".
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import os
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from alembic.util import CommandError
@@ -27,46 +27,38 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
-from erase_tune.errors import EraseTuneError
+from erase_tune.errors import EraseTuneError, shown
 from erase_tune.store import migrate
-from erase_tune.store.engine import build_engine, one_line, parse_url, redact_url
+from erase_tune.store.engine import (
+    WRITE_OPTION,
+    build_engine,
+    one_line,
+    parse_url,
+    redact_url,
+)
 from erase_tune.store.models import (
     JOB_STATUSES,
-    TRIAL_STATUSES,
-    BaselineRow,
-    ExportRow,
     JobRow,
-    TrialMeasurementRow,
 )
+from erase_tune.store.results import Results
 from erase_tune.store.values import (
-    BaselineEntry,
-    Export,
     Job,
-    TrialMeasurement,
     json_safe,
+    utc_now,
 )
 
 __all__ = ["Store"]
 
 
-def _now() -> dt.datetime:
-    return dt.datetime.now(dt.timezone.utc)
-
-
-def _samples(samples: Mapping[str, Sequence[float]]) -> dict[str, list[float | None]]:
-    """Per-step samples as lists of floats (ints and numpy values included; NaN as None)."""
-    as_floats = {str(k): [None if x is None else float(x) for x in v] for k, v in samples.items()}
-    return json_safe(as_floats, where="samples")
-
-
-class Store:
+class Store(Results):
     """erase-tune's tables in the database named by ``url`` (SQLite or PostgreSQL)."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, engine: Engine | None = None) -> None:
         self._url = parse_url(url)
         self._shown_url = redact_url(self._url)
         self._lock = threading.Lock()
-        self._engine_or_none: Engine | None = None
+        self._engine_or_none: Engine | None = engine
+        self._owns_engine = engine is None
         self._schema_checked = False
 
     @property
@@ -84,9 +76,10 @@ class Store:
         self.close()
 
     def close(self) -> None:
-        """Close all pooled connections. The store can still be used; it reconnects."""
+        """Close all pooled connections of an engine this store made (a shared engine is its
+        owner's to close). The store can still be used; it reconnects."""
         with self._lock:
-            if self._engine_or_none is not None:
+            if self._engine_or_none is not None and self._owns_engine:
                 self._engine_or_none.dispose()
                 self._engine_or_none = None
 
@@ -99,7 +92,7 @@ class Store:
             return self._engine_or_none
 
     @contextlib.contextmanager
-    def _connect(self, *, write: bool = False) -> Iterator[Connection]:
+    def _connect(self) -> Iterator[Connection]:
         """A connection, with failure to connect turned into one clear line."""
         try:
             conn = self._engine().connect()
@@ -108,15 +101,13 @@ class Store:
                 f"cannot connect to database {self._shown_url}: {one_line(exc.orig, self._url)}"
             ) from None
         with conn:
-            if write:
-                conn.execution_options(erase_tune_write=True)
-            yield conn
+            yield conn.execution_options(**{WRITE_OPTION: True})
 
     @contextlib.contextmanager
-    def _session(self, *, write: bool = False) -> Iterator[Session]:
+    def _session(self) -> Iterator[Session]:
         """The one place that commits (on success) or rolls back (on any error)."""
         self._ensure_schema()
-        with self._connect(write=write) as conn, Session(bind=conn, expire_on_commit=False) as session:
+        with self._connect() as conn, Session(bind=conn, expire_on_commit=False) as session:
             try:
                 yield session
                 session.commit()
@@ -190,7 +181,7 @@ class Store:
         one-line error, or with ``get_or_create`` return the existing job unchanged."""
         if not study_name:
             raise EraseTuneError("study name must not be empty")
-        now = _now()
+        now = utc_now()
         values = dict(
             study_name=study_name, space_path=str(space_path), space_yaml=space_yaml, workload=workload,
             settings=json_safe(dict(settings or {}), where="settings"), status="running",
@@ -199,12 +190,12 @@ class Store:
         # ON CONFLICT DO NOTHING, not try/except IntegrityError: two drivers starting the
         # same study at once must both get the one job, and neither a failed transaction.
         stmt = self._insert(JobRow).values(**values).on_conflict_do_nothing(index_elements=["study_name"])
-        with self._session(write=True) as s:
+        with self._session() as s:
             row = s.scalars(stmt.returning(JobRow)).one_or_none()
             if row is None:
                 if not get_or_create:
                     raise EraseTuneError(
-                        f"a job named {study_name!r} already exists in {self._shown_url}: "
+                        f"a job named {shown(study_name)} already exists in {self._shown_url}: "
                         "choose another study name, or resume that job"
                     )
                 row = s.scalars(select(JobRow).where(JobRow.study_name == study_name)).one()
@@ -227,110 +218,17 @@ class Store:
         ``n_trials_target``, when given, replaces the job's target (a resume asking for more)."""
         if status not in JOB_STATUSES:
             raise ValueError(f"job status {status!r} is not one of {', '.join(JOB_STATUSES)}")
-        now = _now()
+        now = utc_now()
         values: dict[str, Any] = dict(status=status, error=error, updated_at=now,
                                       finished_at=None if status == "running" else now)
         if n_trials_target is not None:
             values["n_trials_target"] = n_trials_target
         stmt = update(JobRow).where(JobRow.study_name == study_name).values(**values).returning(JobRow)
-        with self._session(write=True) as s:
+        with self._session() as s:
             row = s.scalars(stmt, execution_options={"synchronize_session": False}).one_or_none()
             if row is None:
-                raise EraseTuneError(f"no job named {study_name!r} in {self._shown_url}")
+                raise EraseTuneError(f"no job named {shown(study_name)} in {self._shown_url}")
             return _job(row)
-
-    # -- trials --------------------------------------------------------------------------
-
-    def record_trial(
-        self,
-        job: Job,
-        trial_number: int,
-        *,
-        plan_yaml: str,
-        status: str,
-        failure_reason: str | None = None,
-        metrics: Mapping[str, Any] | None = None,
-        samples: Mapping[str, Sequence[float]] | None = None,
-        device: str | None = None,
-        ray_node: str | None = None,
-        duration_s: float | None = None,
-    ) -> TrialMeasurement:
-        """Record (or, for a retried trial, replace) what trial ``trial_number`` of ``job``
-        measured. Idempotent on (job, trial number): there is never more than one row."""
-        if status not in TRIAL_STATUSES:
-            raise ValueError(f"trial status {status!r} is not one of {', '.join(TRIAL_STATUSES)}")
-        if isinstance(trial_number, bool) or not isinstance(trial_number, int) or trial_number < 0:
-            raise ValueError(f"trial_number must be an int >= 0, got {trial_number!r}")
-        fields = dict(
-            plan_yaml=plan_yaml, status=status, failure_reason=failure_reason,
-            metrics=json_safe(dict(metrics or {}), where="metrics"),
-            samples=_samples(samples or {}),
-            device=device, ray_node=ray_node, duration_s=duration_s,
-        )
-        insert = self._insert(TrialMeasurementRow).values(
-            job_id=job.id, optuna_trial_number=trial_number, created_at=_now(), **fields
-        )
-        # The conflict update keeps id and created_at: the row is the trial, the retry only
-        # replaces what it measured.
-        stmt = insert.on_conflict_do_update(
-            index_elements=["job_id", "optuna_trial_number"],
-            set_={name: getattr(insert.excluded, name) for name in fields},
-        ).returning(TrialMeasurementRow)
-        with self._session(write=True) as s:
-            row = s.scalars(stmt, execution_options={"populate_existing": True}).one()
-            return _trial(row)
-
-    def trial_measurements(self, job: Job) -> list[TrialMeasurement]:
-        """The job's recorded trials, by trial number."""
-        stmt = (
-            select(TrialMeasurementRow)
-            .where(TrialMeasurementRow.job_id == job.id)
-            .order_by(TrialMeasurementRow.optuna_trial_number)
-        )
-        with self._session() as s:
-            return [_trial(r) for r in s.scalars(stmt)]
-
-    # -- baseline cache ------------------------------------------------------------------
-
-    def get_baseline(self, key: str) -> BaselineEntry | None:
-        """The cached baseline for ``key`` (see :func:`~erase_tune.store.baseline_key`)."""
-        with self._session() as s:
-            row = s.scalars(select(BaselineRow).where(BaselineRow.key == key)).one_or_none()
-            return None if row is None else _baseline(row)
-
-    def put_baseline(
-        self, key: str, metrics: Mapping[str, Any], samples: Mapping[str, Sequence[float]]
-    ) -> BaselineEntry:
-        """Cache a baseline measurement; a later measurement under the same key replaces it."""
-        fields = dict(
-            metrics=json_safe(dict(metrics), where="metrics"),
-            samples=_samples(samples),
-            created_at=_now(),
-        )
-        insert = self._insert(BaselineRow).values(key=key, **fields)
-        stmt = insert.on_conflict_do_update(
-            index_elements=["key"], set_={name: getattr(insert.excluded, name) for name in fields}
-        ).returning(BaselineRow)
-        with self._session(write=True) as s:
-            return _baseline(s.scalars(stmt, execution_options={"populate_existing": True}).one())
-
-    # -- exports -------------------------------------------------------------------------
-
-    def record_export(self, job: Job, trial_number: int, path: str | os.PathLike[str], plan_yaml: str) -> Export:
-        """Remember that trial ``trial_number``'s plan was written to ``path``."""
-        row = ExportRow(job_id=job.id, optuna_trial_number=trial_number, path=str(path),
-                        plan_yaml=plan_yaml, created_at=_now())
-        with self._session(write=True) as s:
-            s.add(row)
-            s.flush()
-            return _export(row)
-
-    def exports(self, job: Job) -> list[Export]:
-        """The job's exports, oldest first."""
-        stmt = select(ExportRow).where(ExportRow.job_id == job.id).order_by(ExportRow.created_at, ExportRow.id)
-        with self._session() as s:
-            return [_export(r) for r in s.scalars(stmt)]
-
 
 # -- rows to values (only ever called inside a session) ----------------------------------
 
@@ -343,25 +241,3 @@ def _job(r: JobRow) -> Job:
         updated_at=r.updated_at, finished_at=r.finished_at,
     )
 
-
-def _trial(r: TrialMeasurementRow) -> TrialMeasurement:
-    return TrialMeasurement(
-        id=r.id, job_id=r.job_id, trial_number=r.optuna_trial_number, plan_yaml=r.plan_yaml,
-        status=r.status, failure_reason=r.failure_reason, metrics=dict(r.metrics),  # type: ignore[arg-type]
-        samples={k: list(v) for k, v in r.samples.items()}, device=r.device, ray_node=r.ray_node,
-        duration_s=r.duration_s, created_at=r.created_at,
-    )
-
-
-def _baseline(r: BaselineRow) -> BaselineEntry:
-    return BaselineEntry(
-        key=r.key, metrics=dict(r.metrics), samples={k: list(v) for k, v in r.samples.items()},
-        created_at=r.created_at,
-    )
-
-
-def _export(r: ExportRow) -> Export:
-    return Export(
-        id=r.id, job_id=r.job_id, trial_number=r.optuna_trial_number, path=r.path,
-        plan_yaml=r.plan_yaml, created_at=r.created_at,
-    )

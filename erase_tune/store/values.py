@@ -16,11 +16,12 @@ import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
-__all__ = ["JobStatus", "TrialStatus", "Job", "TrialMeasurement", "BaselineEntry", "Export",
-           "baseline_key", "json_safe"]
+__all__ = ["JobStatus", "OutcomeStatus", "FailureKind", "Job", "StoredOutcome", "Confirmation", "BaselineEntry",
+           "Export", "baseline_key", "json_safe", "utc_now"]
 
 JobStatus = Literal["running", "finished", "failed", "interrupted"]
-TrialStatus = Literal["complete", "failed", "pruned"]
+OutcomeStatus = Literal["complete", "failed"]
+FailureKind = Literal["trial", "infra"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -50,32 +51,53 @@ class Job:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class TrialMeasurement:
-    """What one trial measured, beyond the objective values Optuna keeps."""
+class StoredOutcome:
+    """What one trial's worker sent back, beyond the scalar metrics Optuna keeps."""
 
-    id: int
     job_id: int
     trial_number: int
     """Optuna's trial number within the job's study."""
     plan_yaml: str
     """The candidate plan as YAML."""
-    status: TrialStatus
+    status: OutcomeStatus
+    failure_kind: FailureKind | None
+    """``trial`` (the plan or workload failed) or ``infra`` (worker, node or environment)."""
     failure_reason: str | None
-    metrics: dict[str, Any]
-    """p90/median QPS of baseline, candidate, reference and detach-only twin, NE values,
-    gains. Non-finite floats come back as None (JSON has no NaN)."""
-    samples: dict[str, list[float | None]]
-    """Per-step QPS samples by variant: ``{"baseline": [...], "candidate": [...], ...}``."""
-    device: str | None
-    ray_node: str | None
-    duration_s: float | None
+    traceback: str | None
+    """The worker's traceback of the failure, as it printed it."""
+    attempts: int
+    """Runs it took: infrastructure failures are retried."""
+    node: str | None
+    """The Ray node (ip/id) the last attempt ran on."""
+    samples: dict[str, Any]
+    """Per variant: ``{"steps_s": [...], "window": [...]}``, per-step seconds and their window."""
+    provenance: dict[str, Any]
     created_at: dt.datetime
-    """When the trial was first recorded; a retry keeps this and replaces the rest."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Confirmation:
+    """A second look at a front plan: baseline and plan re-timed, interleaved, in one process."""
+
+    job_id: int
+    trial_number: int
+    plan_yaml: str
+    gain_over: str
+    windows: int
+    """Timed windows per variant in this measurement."""
+    gain: float
+    """Median per-window p90-QPS gain over the baseline named by ``gain_over``."""
+    gain_lo: float
+    gain_hi: float
+    """The gain's 95% interval over windows."""
+    samples: dict[str, Any]
+    provenance: dict[str, Any]
+    created_at: dt.datetime
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BaselineEntry:
-    """A cached eager-baseline measurement (see :func:`baseline_key`)."""
+    """A cached baseline measurement (see :func:`baseline_key`): a resumed job reuses its NE."""
 
     key: str
     metrics: dict[str, Any]
@@ -94,6 +116,11 @@ class Export:
     plan_yaml: str
     """The plan exactly as written, so the file can be recreated or checked for edits."""
     created_at: dt.datetime
+
+
+def utc_now() -> dt.datetime:
+    """The time rows are stamped with (timezone-aware UTC)."""
+    return dt.datetime.now(dt.timezone.utc)
 
 
 def json_safe(value: Any, *, where: str = "value") -> Any:

@@ -26,7 +26,7 @@ from erase_tune.store import (
 from erase_tune.store.migrate import scripts_dir
 from erase_tune.store.models import Base, include_name, include_object
 
-OUR_TABLES = {"et_jobs", "et_trial_measurements", "et_baseline_cache", "et_exports"}
+OUR_TABLES = {"et_jobs", "et_trial_outcomes", "et_confirmations", "et_baseline_cache", "et_exports"}
 
 
 def table_names(url: str) -> set[str]:
@@ -61,7 +61,7 @@ def optuna_study(url: str, n_trials: int) -> int:
 
 def test_scripts_are_found_with_one_head() -> None:
     assert (scripts_dir() / "env.py").is_file()
-    assert head_revision() == "0001"
+    assert head_revision() == "0002"
 
 
 def test_upgrade_downgrade_upgrade_leaves_optuna_alone(storage_url: str) -> None:
@@ -76,7 +76,7 @@ def test_upgrade_downgrade_upgrade_leaves_optuna_alone(storage_url: str) -> None
         assert table_names(storage_url) == optuna_tables | OUR_TABLES | {VERSION_TABLE}
         assert optuna_version(storage_url) == optuna_rev
         job = store.create_job(study_name="unrelated", space_path="s.yaml", space_yaml="", workload="mlp")
-        store.record_trial(job, 0, plan_yaml="", status="complete")
+        store.record_outcome(job, 0, plan_yaml="", status="complete")
         assert optuna_study(storage_url, n_trials=1) == 3  # Optuna is fine with our tables beside
 
         store.downgrade()
@@ -148,3 +148,30 @@ def test_failed_upgrade_leaves_nothing_half_done(store: Store, storage_url: str)
     assert "\n" not in str(info.value)
     assert table_names(storage_url) == {"et_exports"}
     assert store.current_revision() is None
+
+
+def test_0002_carries_trial_measurements_over_and_back(store: Store, storage_url: str) -> None:
+    """Rows measured under 0001 become outcomes (samples with unknown windows), and back."""
+    store.upgrade("0001")
+    engine = create_engine(storage_url, poolclass=NullPool)
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO et_jobs (study_name, space_path, space_yaml, workload, settings, status, "
+                          "created_at, updated_at) VALUES ('old', 's.yaml', '', 'ctr', '{}', 'finished', "
+                          "'2026-11-30 10:00:00', '2026-11-30 10:00:00')"))
+        conn.execute(text("INSERT INTO et_trial_measurements (job_id, optuna_trial_number, plan_yaml, status, "
+                          "failure_reason, metrics, samples, device, ray_node, duration_s, created_at) VALUES "
+                          "(1, 5, 'cuts: []', 'complete', NULL, '{\"gain_p90\": 0.1}', "
+                          "'{\"baseline\": [0.01, 0.02]}', 'NVIDIA H200', 'n1', 12.5, '2026-11-30 10:00:00')"))
+    engine.dispose()
+    store.upgrade()
+    job = store.get_job("old")
+    o = store.outcome(job, 5)
+    assert o.status == "complete" and o.node == "n1" and o.attempts == 1
+    assert o.samples == {"baseline": {"steps_s": [0.01, 0.02], "window": None}}
+    assert o.provenance == {"device_name": "NVIDIA H200", "duration_s": 12.5}
+    store.downgrade("0001")
+    engine = create_engine(storage_url, poolclass=NullPool)
+    with engine.connect() as conn:
+        row = conn.execute(text("SELECT optuna_trial_number, samples, device FROM et_trial_measurements")).one()
+    engine.dispose()
+    assert row[0] == 5 and row[2] == "NVIDIA H200"

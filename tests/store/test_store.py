@@ -12,10 +12,11 @@ from sqlalchemy.engine import make_url
 
 from erase_tune.errors import EraseTuneError
 from erase_tune.store import (
+    Confirmation,
     Job,
     SchemaError,
     Store,
-    TrialMeasurement,
+    StoredOutcome,
     baseline_key,
     default_storage_url,
     redact_url,
@@ -78,72 +79,64 @@ def test_value_objects_are_frozen(migrated: Store) -> None:
     assert migrated.get_job("study-a").settings["seed"] == 0
 
 
-# -- trials ----------------------------------------------------------------------------
+# -- trial outcomes and confirmations --------------------------------------------------
 
 
-METRICS = {
-    "p90_qps": {"baseline": 1000.0, "candidate": 1200.5, "reference": 1150.0, "detach_only": 1190.0},
-    "median_qps": {"baseline": 950.0, "candidate": 1100.0, "reference": 1090.0, "detach_only": 1095.0},
-    "ne": {"baseline": 0.81, "candidate": 0.815},
-    "gain": {"vs_baseline": 1.2005, "vs_reference": 1.044},
-}
+SAMPLES = {"baseline": {"steps_s": [0.010, 0.011, 0.0105], "window": [0, 0, 1]},
+           "candidate": {"steps_s": [0.009, 0.0091, 0.0089], "window": [0, 0, 1]}}
 
 
-def test_record_trial_round_trip(migrated: Store) -> None:
+def test_record_outcome_round_trip(migrated: Store) -> None:
     job = new_job(migrated)
-    samples = {"baseline": [1000.0, 990.5, 1010.25], "candidate": [1200, 1190, 1210]}
-    t = migrated.record_trial(job, 3, plan_yaml=PLAN, status="complete", metrics=METRICS, samples=samples,
-                              device="NVIDIA H200", ray_node="node-1", duration_s=42.5)
-    assert isinstance(t, TrialMeasurement)
-    assert (t.job_id, t.trial_number, t.status, t.device, t.ray_node, t.duration_s) == (
-        job.id, 3, "complete", "NVIDIA H200", "node-1", 42.5)
-    assert t.metrics == METRICS
-    assert t.samples == {"baseline": [1000.0, 990.5, 1010.25], "candidate": [1200.0, 1190.0, 1210.0]}
-    assert all(isinstance(x, float) for x in t.samples["candidate"])
-    assert migrated.trial_measurements(job) == [t]
+    o = migrated.record_outcome(job, 3, plan_yaml=PLAN, status="complete", attempts=2, node="10.0.0.1/abc",
+                                samples=SAMPLES, provenance={"device_name": "NVIDIA H200", "torch": "2.11.0"})
+    assert isinstance(o, StoredOutcome)
+    assert (o.job_id, o.trial_number, o.status, o.attempts, o.node) == (job.id, 3, "complete", 2, "10.0.0.1/abc")
+    assert o.samples == SAMPLES and o.provenance["torch"] == "2.11.0"
+    assert o.failure_kind is None and o.traceback is None
+    assert migrated.outcome(job, 3) == o
+    assert migrated.outcome(job, 4) is None
+    assert migrated.latest_provenance(job) == {"device_name": "NVIDIA H200", "torch": "2.11.0"}
 
 
-def test_record_trial_is_idempotent(migrated: Store) -> None:
+def test_record_outcome_is_idempotent(migrated: Store) -> None:
     job = new_job(migrated)
-    first = migrated.record_trial(job, 0, plan_yaml=PLAN, status="failed", failure_reason="worker died")
-    retry = migrated.record_trial(job, 0, plan_yaml=PLAN, status="complete", metrics=METRICS,
-                                  samples={"baseline": [1.0]})
-    again = migrated.record_trial(job, 0, plan_yaml=PLAN, status="complete", metrics=METRICS,
-                                  samples={"baseline": [1.0]})
-    # One row per trial: the retry replaced what was measured, the row's identity stayed.
-    assert retry.id == first.id == again.id and retry.created_at == first.created_at
-    assert retry.status == "complete" and retry.failure_reason is None and retry.metrics == METRICS
-    assert migrated.trial_measurements(job) == [again]
-
-
-def test_trials_are_per_job_and_ordered(migrated: Store) -> None:
-    a, b = new_job(migrated, "a"), new_job(migrated, "b")
-    for n in (2, 0, 1):
-        migrated.record_trial(a, n, plan_yaml=PLAN, status="pruned")
-    migrated.record_trial(b, 0, plan_yaml=PLAN, status="complete")
-    assert [t.trial_number for t in migrated.trial_measurements(a)] == [0, 1, 2]
-    assert [t.job_id for t in migrated.trial_measurements(b)] == [b.id]
+    first = migrated.record_outcome(job, 0, plan_yaml=PLAN, status="failed", failure_kind="infra",
+                                    failure_reason="worker died", traceback="Traceback ...")
+    again = migrated.record_outcome(job, 0, plan_yaml=PLAN, status="complete", samples=SAMPLES)
+    # One row per trial: a replay replaces what was recorded, the row's creation time stays.
+    assert again.created_at == first.created_at and again.status == "complete" and again.failure_reason is None
+    assert migrated.outcome(job, 0) == again
 
 
 def test_non_finite_numbers_are_stored_as_null(migrated: Store) -> None:
     # PostgreSQL's jsonb refuses NaN; both backends must store the same thing.
     job = new_job(migrated)
-    t = migrated.record_trial(job, 0, plan_yaml=PLAN, status="failed", failure_reason="NaN loss",
-                              metrics={"ne": float("nan"), "gain": float("inf")},
-                              samples={"candidate": [1.0, float("nan")]})
-    assert t.metrics == {"ne": None, "gain": None} and t.samples == {"candidate": [1.0, None]}
-    assert migrated.trial_measurements(job)[0].metrics == {"ne": None, "gain": None}
+    o = migrated.record_outcome(job, 0, plan_yaml=PLAN, status="failed", failure_kind="trial",
+                                failure_reason="NaN loss", samples={"candidate": {"steps_s": [1.0, float("nan")]}},
+                                provenance={"x": float("inf")})
+    assert o.samples == {"candidate": {"steps_s": [1.0, None]}} and o.provenance == {"x": None}
 
 
-def test_bad_trial_arguments(migrated: Store) -> None:
+def test_bad_outcome_arguments(migrated: Store) -> None:
     job = new_job(migrated)
-    with pytest.raises(ValueError, match="trial status"):
-        migrated.record_trial(job, 0, plan_yaml=PLAN, status="done")
-    with pytest.raises(ValueError, match="trial_number"):
-        migrated.record_trial(job, -1, plan_yaml=PLAN, status="complete")
-    with pytest.raises(TypeError, match="metrics"):
-        migrated.record_trial(job, 0, plan_yaml=PLAN, status="complete", metrics={"x": object()})
-    assert migrated.trial_measurements(job) == []  # nothing half-written
+    with pytest.raises(ValueError, match="outcome status"):
+        migrated.record_outcome(job, 0, plan_yaml=PLAN, status="done")
+    with pytest.raises(ValueError, match="failure kind"):
+        migrated.record_outcome(job, 0, plan_yaml=PLAN, status="failed", failure_kind="cosmic")
+    with pytest.raises(TypeError, match="provenance"):
+        migrated.record_outcome(job, 0, plan_yaml=PLAN, status="complete", provenance={"x": object()})
+    assert migrated.outcome(job, 0) is None  # nothing half-written
+
+
+def test_confirmations_round_trip(migrated: Store) -> None:
+    job = new_job(migrated)
+    a = migrated.record_confirmation(job, 4, plan_yaml=PLAN, gain_over="graph", windows=5, gain=0.08, gain_lo=0.07,
+                                     gain_hi=0.09, samples=SAMPLES, provenance={"device_name": "NVIDIA H200"})
+    b = migrated.record_confirmation(job, 7, plan_yaml=PLAN, gain_over="graph", windows=5, gain=0.01, gain_lo=-0.01,
+                                     gain_hi=0.03, samples={}, provenance={})
+    assert isinstance(a, Confirmation) and (a.trial_number, a.gain_lo, a.windows) == (4, 0.07, 5)
+    assert migrated.confirmations(job) == [a, b]
 
 
 # -- baseline cache and exports --------------------------------------------------------
@@ -223,22 +216,18 @@ def test_concurrent_writers_all_land(migrated: Store, storage_url: str) -> None:
     def worker(i: int) -> None:
         with Store(storage_url) as mine:
             for n in range(i, 40, 2):
-                mine.record_trial(job, n, plan_yaml=PLAN, status="complete", metrics={"n": n},
-                                  samples={"candidate": [float(n)]}, ray_node=f"node-{i}")
+                mine.record_outcome(job, n, plan_yaml=PLAN, status="complete", provenance={"n": n}, node=f"node-{i}")
 
     _in_threads(2, worker)
-    trials = migrated.trial_measurements(job)
-    assert [t.trial_number for t in trials] == list(range(40))
-    assert all(t.metrics == {"n": t.trial_number} for t in trials)
+    assert all(migrated.outcome(job, n).provenance == {"n": n} for n in range(40))
 
 
 def test_concurrent_retries_of_one_trial_leave_one_row(migrated: Store) -> None:
     """A trial and its retry racing on one shared store: one row, no integrity error."""
     job = new_job(migrated)
-    _in_threads(4, lambda i: [migrated.record_trial(job, n, plan_yaml=PLAN, status="complete",
-                                                     metrics={"writer": i}) for n in range(10)])
-    trials = migrated.trial_measurements(job)
-    assert [t.trial_number for t in trials] == list(range(10))
+    _in_threads(4, lambda i: [migrated.record_outcome(job, n, plan_yaml=PLAN, status="complete",
+                                                       provenance={"writer": i}) for n in range(10)])
+    assert all(migrated.outcome(job, n) is not None for n in range(10))
 
 
 def test_concurrent_get_or_create_returns_one_job(migrated: Store) -> None:
@@ -250,8 +239,11 @@ def test_concurrent_get_or_create_returns_one_job(migrated: Store) -> None:
 # -- URLs ------------------------------------------------------------------------------
 
 
-def test_default_storage_url() -> None:
+def test_default_storage_url(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ERASE_TUNE_STORAGE", raising=False)
     assert default_storage_url() == "sqlite:///erase-tune.db"
+    monkeypatch.setenv("ERASE_TUNE_STORAGE", "postgresql+psycopg://u@db/x")
+    assert default_storage_url() == "postgresql+psycopg://u@db/x"
 
 
 @pytest.mark.parametrize(

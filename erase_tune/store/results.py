@@ -1,0 +1,203 @@
+"""The measurement half of :class:`~erase_tune.store.Store`: trial outcomes, confirmations,
+the baseline cache and exports (the job half and the schema are in :mod:`erase_tune.store.repo`).
+
+Writes that a retry may repeat (an outcome replayed from the journal, a baseline measured
+again) are single-statement upserts, so they never duplicate a row or race into an
+integrity error.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from erase_tune.store.models import (
+    FAILURE_KINDS,
+    OUTCOME_STATUSES,
+    BaselineRow,
+    ConfirmationRow,
+    ExportRow,
+    TrialOutcomeRow,
+)
+from erase_tune.store.values import (
+    BaselineEntry,
+    Confirmation,
+    Export,
+    Job,
+    StoredOutcome,
+    json_safe,
+    utc_now,
+)
+
+__all__ = ["Results"]
+
+
+def _samples(samples: Mapping[str, Any]) -> dict[str, Any]:
+    """Per-variant samples as plain JSON (numpy values included; NaN as None)."""
+    return json_safe(dict(samples), where="samples")
+
+
+class Results:
+    """Mixed into :class:`~erase_tune.store.Store`, which provides the session and upsert."""
+
+    def _session(self) -> AbstractContextManager[Session]:
+        raise TypeError("Results is a part of Store")  # pragma: no cover - Store overrides it
+
+    def _insert(self, table: type) -> Any:
+        raise TypeError("Results is a part of Store")  # pragma: no cover - Store overrides it
+
+    # -- trial outcomes -------------------------------------------------------------------
+
+    def record_outcome(
+        self,
+        job: Job,
+        trial_number: int,
+        *,
+        plan_yaml: str,
+        status: str,
+        failure_kind: str | None = None,
+        failure_reason: str | None = None,
+        traceback: str | None = None,
+        attempts: int = 1,
+        node: str | None = None,
+        samples: Mapping[str, Any] | None = None,
+        provenance: Mapping[str, Any] | None = None,
+    ) -> StoredOutcome:
+        """Record what trial ``trial_number`` of ``job`` sent back. Idempotent on (job, trial
+        number): a repeated write (a retry after a lost connection) replaces the row."""
+        if status not in OUTCOME_STATUSES:
+            raise ValueError(f"outcome status {status!r} is not one of {', '.join(OUTCOME_STATUSES)}")
+        if failure_kind is not None and failure_kind not in FAILURE_KINDS:
+            raise ValueError(f"failure kind {failure_kind!r} is not one of {', '.join(FAILURE_KINDS)}")
+        fields = dict(
+            plan_yaml=plan_yaml, status=status, failure_kind=failure_kind, failure_reason=failure_reason,
+            traceback=traceback, attempts=attempts, node=node, samples=_samples(samples or {}),
+            provenance=json_safe(dict(provenance or {}), where="provenance"),
+        )
+        insert = self._insert(TrialOutcomeRow).values(job_id=job.id, trial_number=trial_number, created_at=utc_now(),
+                                                      **fields)
+        stmt = insert.on_conflict_do_update(
+            index_elements=["job_id", "trial_number"],
+            set_={name: getattr(insert.excluded, name) for name in fields},
+        ).returning(TrialOutcomeRow)
+        with self._session() as s:
+            return _outcome(s.scalars(stmt, execution_options={"populate_existing": True}).one())
+
+    def outcome(self, job: Job, trial_number: int) -> StoredOutcome | None:
+        """Trial ``trial_number``'s outcome, or None if it has none (still running, stale, a repeat)."""
+        stmt = select(TrialOutcomeRow).where(TrialOutcomeRow.job_id == job.id,
+                                             TrialOutcomeRow.trial_number == trial_number)
+        with self._session() as s:
+            row = s.scalars(stmt).one_or_none()
+            return None if row is None else _outcome(row)
+
+    def latest_provenance(self, job: Job) -> dict[str, Any] | None:
+        """Provenance of the job's most recent measured trial (device and versions), if any."""
+        stmt = (select(TrialOutcomeRow.provenance)
+                .where(TrialOutcomeRow.job_id == job.id, TrialOutcomeRow.status == "complete")
+                .order_by(TrialOutcomeRow.created_at.desc(), TrialOutcomeRow.id.desc()).limit(1))
+        with self._session() as s:
+            found = s.scalars(stmt).one_or_none()
+            return None if found is None else dict(found)
+
+    # -- confirmations -------------------------------------------------------------------
+
+    def record_confirmation(self, job: Job, trial_number: int, *, plan_yaml: str, gain_over: str, windows: int,
+                            gain: float, gain_lo: float, gain_hi: float, samples: Mapping[str, Any],
+                            provenance: Mapping[str, Any]) -> Confirmation:
+        """Keep a confirming measurement of trial ``trial_number``'s plan."""
+        row = ConfirmationRow(job_id=job.id, trial_number=trial_number, plan_yaml=plan_yaml, gain_over=gain_over,
+                              windows=windows, gain=gain, gain_lo=gain_lo, gain_hi=gain_hi,
+                              samples=_samples(samples), provenance=json_safe(dict(provenance), where="provenance"),
+                              created_at=utc_now())
+        with self._session() as s:
+            s.add(row)
+            s.flush()
+            return _confirmation(row)
+
+    def confirmations(self, job: Job) -> list[Confirmation]:
+        """The job's confirmations, oldest first."""
+        stmt = (select(ConfirmationRow).where(ConfirmationRow.job_id == job.id)
+                .order_by(ConfirmationRow.created_at, ConfirmationRow.id))
+        with self._session() as s:
+            return [_confirmation(r) for r in s.scalars(stmt)]
+
+    # -- baseline cache ------------------------------------------------------------------
+
+    def get_baseline(self, key: str) -> BaselineEntry | None:
+        """The cached baseline for ``key`` (see :func:`~erase_tune.store.baseline_key`)."""
+        with self._session() as s:
+            row = s.scalars(select(BaselineRow).where(BaselineRow.key == key)).one_or_none()
+            return None if row is None else _baseline(row)
+
+    def put_baseline(
+        self, key: str, metrics: Mapping[str, Any], samples: Mapping[str, Sequence[float]]
+    ) -> BaselineEntry:
+        """Cache a baseline measurement; a later measurement under the same key replaces it."""
+        fields = dict(
+            metrics=json_safe(dict(metrics), where="metrics"),
+            samples=_samples(samples),
+            created_at=utc_now(),
+        )
+        insert = self._insert(BaselineRow).values(key=key, **fields)
+        stmt = insert.on_conflict_do_update(
+            index_elements=["key"], set_={name: getattr(insert.excluded, name) for name in fields}
+        ).returning(BaselineRow)
+        with self._session() as s:
+            return _baseline(s.scalars(stmt, execution_options={"populate_existing": True}).one())
+
+    # -- exports -------------------------------------------------------------------------
+
+    def record_export(self, job: Job, trial_number: int, path: str | os.PathLike[str], plan_yaml: str) -> Export:
+        """Remember that trial ``trial_number``'s plan was written to ``path``."""
+        row = ExportRow(job_id=job.id, optuna_trial_number=trial_number, path=str(path),
+                        plan_yaml=plan_yaml, created_at=utc_now())
+        with self._session() as s:
+            s.add(row)
+            s.flush()
+            return _export(row)
+
+    def exports(self, job: Job) -> list[Export]:
+        """The job's exports, oldest first."""
+        stmt = select(ExportRow).where(ExportRow.job_id == job.id).order_by(ExportRow.created_at, ExportRow.id)
+        with self._session() as s:
+            return [_export(r) for r in s.scalars(stmt)]
+
+
+# -- rows to values (only ever called inside a session) ----------------------------------
+
+
+def _outcome(r: TrialOutcomeRow) -> StoredOutcome:
+    return StoredOutcome(
+        job_id=r.job_id, trial_number=r.trial_number, plan_yaml=r.plan_yaml, status=r.status,  # type: ignore[arg-type]
+        failure_kind=r.failure_kind, failure_reason=r.failure_reason, traceback=r.traceback,  # type: ignore[arg-type]
+        attempts=r.attempts, node=r.node, samples=dict(r.samples), provenance=dict(r.provenance),
+        created_at=r.created_at,
+    )
+
+
+def _confirmation(r: ConfirmationRow) -> Confirmation:
+    return Confirmation(
+        job_id=r.job_id, trial_number=r.trial_number, plan_yaml=r.plan_yaml, gain_over=r.gain_over,
+        windows=r.windows, gain=r.gain, gain_lo=r.gain_lo, gain_hi=r.gain_hi, samples=dict(r.samples),
+        provenance=dict(r.provenance), created_at=r.created_at,
+    )
+
+
+def _baseline(r: BaselineRow) -> BaselineEntry:
+    return BaselineEntry(
+        key=r.key, metrics=dict(r.metrics), samples={k: list(v) for k, v in r.samples.items()},
+        created_at=r.created_at,
+    )
+
+
+def _export(r: ExportRow) -> Export:
+    return Export(
+        id=r.id, job_id=r.job_id, trial_number=r.optuna_trial_number, path=r.path,
+        plan_yaml=r.plan_yaml, created_at=r.created_at,
+    )

@@ -1,0 +1,194 @@
+"""One opener for a storage URL: Optuna's ``RDBStorage`` and erase-tune's :class:`Store` on
+one engine, a lock that several drivers share, and the retry policy for a storage that goes away.
+
+- :func:`open_storage` builds Optuna's storage with :func:`~erase_tune.store.engine.engine_kwargs`
+  and hands the same engine to the :class:`Store`, so the two always behave alike (SQLite:
+  WAL, busy timeout, ``BEGIN IMMEDIATE``). Schema set-up (Optuna's ``create_all`` and our
+  Alembic upgrade) runs under the storage's lock: drivers that start at the same moment
+  on a fresh database queue instead of racing each other into duplicate-key errors.
+- :meth:`Storage.lock` is a cross-process lock: a PostgreSQL advisory lock (released by the
+  server if its holder dies), or an exclusive ``flock`` on a file next to a SQLite database
+  (one machine, as SQLite itself).
+- :func:`retrying` runs a storage operation, retrying a lost connection with backoff; when
+  the storage stays away it raises :class:`StorageLost` (the CLI's exit code 3).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import optuna
+from sqlalchemy import Engine, text
+from sqlalchemy.engine import URL
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+
+from erase_tune import errors
+from erase_tune.errors import EraseTuneError
+from erase_tune.store.engine import WRITE_OPTION, engine_kwargs, one_line, parse_url, redact_url, shown_url
+from erase_tune.store.repo import Store
+
+__all__ = ["Storage", "StorageLost", "open_storage", "retrying", "RETRY_ENV"]
+
+T = TypeVar("T")
+
+RETRY_ENV = "ERASE_TUNE_STORAGE_RETRY_S"
+"""Seconds a lost storage is retried before the driver gives up (default 60)."""
+
+
+class StorageLost(EraseTuneError):
+    """The storage stayed unreachable or unwritable through every retry."""
+
+    exit_code = 3
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Storage:
+    """Optuna's storage and erase-tune's tables behind one URL and one engine."""
+
+    url: str
+    """The URL with its secrets masked: safe to print."""
+    optuna: optuna.storages.RDBStorage
+    store: Store
+    parsed: URL
+
+    def lock(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """A lock shared by every process that opens this storage (see the module docstring)."""
+        return _lock(self.parsed, self.optuna.engine, name)
+
+    def close(self) -> None:
+        self.store.close()
+        self.optuna.engine.dispose()
+
+
+def open_storage(url: str, *, must_exist: bool = False, upgrade: bool = True,
+                 heartbeat_interval: int | None = None, grace_period: int | None = None) -> Storage:
+    """Open ``url``; with ``must_exist`` a SQLite file that is not there is an error (a reader
+    with a typo must not create an empty database); with ``upgrade`` our tables are created
+    or migrated. Heartbeat settings go to Optuna (stale trials of dead drivers)."""
+    parsed = parse_url(url)
+    shown = redact_url(parsed)
+    path = _sqlite_path(parsed)
+    if must_exist and path is not None and not _is_file(path):
+        raise EraseTuneError(f"storage {shown_url(parsed)}: no database file at {errors.one_line(str(path), 300)}")
+    kwargs = engine_kwargs(parsed)
+
+    def build() -> optuna.storages.RDBStorage:
+        return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, heartbeat_interval=heartbeat_interval,
+                                          grace_period=grace_period)
+
+    setup_engine = None
+    try:
+        if upgrade and parsed.get_backend_name() == "postgresql":
+            # The lock needs a connection before Optuna's engine exists: a short-lived one.
+            from erase_tune.store.engine import build_engine
+
+            setup_engine = build_engine(parsed)
+        with _lock(parsed, setup_engine, "schema") if upgrade else contextlib.nullcontext():
+            rdb = build()
+            # From now on Optuna's transactions take SQLite's write lock up front too, as ours
+            # do (engine.SQLiteSettings): several drivers on one file then queue instead of
+            # failing when a read turns into a write. (Not during RDBStorage's own set-up,
+            # which opens a second connection inside a transaction.)
+            rdb.engine.update_execution_options(**{WRITE_OPTION: True})
+            store = Store(url, engine=rdb.engine)
+            if upgrade:
+                store.upgrade()
+    except EraseTuneError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any driver/connection error becomes one line
+        cause = errors.one_line(_cause(e, parsed), 300)
+        raise EraseTuneError(f"storage {shown_url(parsed)}: cannot open: {cause}") from None
+    finally:
+        if setup_engine is not None:
+            setup_engine.dispose()
+    return Storage(url=shown, optuna=rdb, store=store, parsed=parsed)
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except (OSError, ValueError):  # a name too long for the file system, say: no such file either
+        return False
+
+
+def retrying(what: str, fn: Callable[[], T], *, url: str, parsed: URL | None = None) -> T:
+    """``fn()``, retried with backoff while the storage is unreachable (lost connection,
+    locked, server restarting) for up to ``$ERASE_TUNE_STORAGE_RETRY_S`` seconds; then, or at
+    once for a read-only database, :class:`StorageLost` naming the storage and the cause."""
+    budget = float(os.environ.get(RETRY_ENV, "60"))
+    deadline = time.monotonic() + budget
+    delay = 0.2
+    while True:
+        try:
+            return fn()
+        except (SQLAlchemyError, optuna.exceptions.StorageInternalError) as e:
+            cause = _cause(e, parsed)
+            if "readonly" in cause.replace(" ", "").lower() or time.monotonic() + delay > deadline:
+                raise StorageLost(f"storage {url} lost while {what}: {cause}") from None
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
+def _cause(e: BaseException, parsed: URL | None) -> str:
+    """The database's own message behind Optuna's and SQLAlchemy's wrappers, on one line
+    (Optuna's StorageInternalError says "exceeding max length" whatever went wrong)."""
+    seen = e
+    for _ in range(8):
+        if isinstance(seen, DBAPIError) and seen.orig is not None:
+            return one_line(seen.orig, parsed)
+        nxt = seen.__cause__ or seen.__context__
+        if nxt is None:
+            break
+        seen = nxt
+    return one_line(seen, parsed)
+
+
+def _sqlite_path(url: URL) -> Path | None:
+    if url.get_backend_name() != "sqlite" or url.database in (None, "", ":memory:"):
+        return None
+    return Path(url.database)
+
+
+_LOCAL_LOCKS: dict[str, threading.Lock] = {}
+
+
+@contextlib.contextmanager
+def _lock(url: URL, engine: Engine | None, name: str) -> Iterator[None]:
+    if url.get_backend_name() == "postgresql":
+        assert engine is not None
+        key = int.from_bytes(hashlib.sha256(f"erase-tune:{name}".encode()).digest()[:8], "big", signed=True)
+        with engine.connect() as conn:
+            conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": key})
+            conn.commit()
+            try:
+                yield
+            finally:
+                conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": key})
+                conn.commit()
+        return
+    path = _sqlite_path(url)
+    if path is None:  # in-memory: one process by definition
+        with _LOCAL_LOCKS.setdefault(name, threading.Lock()):
+            yield
+        return
+    lock_file = path.with_name(f"{path.name}.{hashlib.sha256(name.encode()).hexdigest()[:8]}.lock")
+    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        # Threads of one process share an flock: serialise them first.
+        with _LOCAL_LOCKS.setdefault(f"{lock_file}:{name}", threading.Lock()):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
