@@ -7,8 +7,8 @@ exposing it is a deliberate choice (``--host 0.0.0.0``).
 from __future__ import annotations
 
 from erase_tune.errors import EraseTuneError
-from erase_tune.store import default_storage_url, redact_url
-from erase_tune.tune.study import rdb_storage
+from erase_tune.store import default_storage_url
+from erase_tune.store.storage import open_storage
 
 __all__ = ["serve"]
 
@@ -17,12 +17,13 @@ def serve(storage: str | None, *, host: str = "127.0.0.1", port: int = 8080) -> 
     """Serve until interrupted."""
     from optuna_dashboard import run_server
 
-    url = storage or default_storage_url()
     if not 0 < port < 65536:
         raise EraseTuneError(f"--port: {port} is not a TCP port")
-    rdb = rdb_storage(url)
-    print(f"optuna-dashboard for {redact_url(url)} on http://{host}:{port}/ (Ctrl-C to stop)", flush=True)
+    db = open_storage(storage if storage is not None else default_storage_url(), must_exist=True, upgrade=False)
+    print(f"optuna-dashboard for {db.url} on http://{host}:{port}/ (Ctrl-C to stop)", flush=True)
     try:
-        run_server(rdb, host=host, port=port)
+        run_server(db.optuna, host=host, port=port)
     except OSError as e:
         raise EraseTuneError(f"dashboard: cannot listen on {host}:{port}: {e.strerror or e}") from None
+    finally:
+        db.close()
