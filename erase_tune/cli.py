@@ -1,9 +1,12 @@
 """The ``erase-tune`` command line: a table of commands, each a thin call into the library.
 
-Parsing happens here; the work happens in library functions. Any
-:class:`~erase_tune.errors.EraseTuneError` (bad plan, unknown workload, bad space, storage
-problem) is printed as one line, ``erase-tune: error: ...``, with exit code 2 — never a
-traceback.
+Parsing happens here; the work happens in library functions. Errors are one line,
+``erase-tune: error: ...``, never a traceback: exit 2 for anything the user gave wrong
+(bad plan, space, workload, storage URL, arguments), 1 for a job or export that ran and
+did not get what was asked (every trial failed; no confirmed gain), 3 when the storage was
+lost mid-job (outcomes not yet stored are kept in a local journal for the next ``start``),
+130 when interrupted. ``-v``/``-q`` set the level of the standard ``logging`` module, where
+progress goes (stderr); results go to stdout (``--json`` for machines).
 """
 
 from __future__ import annotations
@@ -11,23 +14,36 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
+import os
+import shlex
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import Any
 
-import yaml
-
+from erase_tune import __version__
+from erase_tune.cli_args import (
+    Parser,
+    bench_args,
+    dashboard_args,
+    db_args,
+    export_args,
+    one_line,
+    report_args,
+    start_args,
+    status_args,
+    trial_args,
+)
 from erase_tune.errors import EraseTuneError
 
-__all__ = ["main"]
+__all__ = ["main", "build_parser", "one_line"]
 
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line, exit 2 (argparse's own prints usage too)
-        self.exit(2, f"erase-tune: error: {message} (see: {self.prog} --help)\n")
+log = logging.getLogger("erase_tune")
 
 
 def _workload_args(pairs: Sequence[str]) -> dict[str, Any]:
+    import yaml
+
     args: dict[str, Any] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
@@ -35,32 +51,20 @@ def _workload_args(pairs: Sequence[str]) -> dict[str, Any]:
             raise EraseTuneError(f"--arg: {pair!r} is not KEY=VALUE")
         try:
             args[key] = yaml.safe_load(value) if value else ""
-        except yaml.YAMLError:
+        except (yaml.YAMLError, ValueError, RecursionError):
             args[key] = value
     return args
 
 
-def _budget(ns: argparse.Namespace):
+def _budget(ns: argparse.Namespace) -> Any:
     from erase_tune.trial import Budget
 
     return Budget(warmup_steps=ns.warmup, windows=ns.windows, window_steps=ns.window_steps,
                   quality_steps=getattr(ns, "quality_steps", 0), seed=ns.seed)
 
 
-def _add_workload(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workload", required=True, help="ctr, gpt, mlp, or package.module:factory")
-    p.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE", help="workload argument (repeatable)")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-
-
-def _add_budget(p: argparse.ArgumentParser, quality: bool = True) -> None:
-    p.add_argument("--warmup", type=int, default=8, help="untimed steps per variant (default 8)")
-    p.add_argument("--windows", type=int, default=4, help="alternating timing windows (default 4)")
-    p.add_argument("--window-steps", type=int, default=10, help="timed steps per window (default 10)")
-    if quality:
-        p.add_argument("--quality-steps", type=int, default=0, help="extra training steps before NE (default 0)")
-    p.add_argument("--seed", type=int, default=0)
+def _emit_json(data: Any) -> None:
+    print(json.dumps(data, indent=2, default=str))
 
 
 # -- commands ------------------------------------------------------------------------------
@@ -70,37 +74,19 @@ def cmd_trial(ns: argparse.Namespace) -> int:
     from erase_tune.errors import PlanError
     from erase_tune.runtime import ErasePlan
     from erase_tune.trial import run_trial
+    from erase_tune.tune.tables import trial_table
     from erase_tune.workloads import get_workload
 
     plan = ErasePlan.load(ns.plan)
     workload = get_workload(ns.workload, _workload_args(ns.arg))
-    try:  # before any data is made, and naming the file: the plan may not fit this model
-        plan.check_model(workload.build_model())
+    try:  # the plan may not fit this model: name the file
+        result = run_trial(workload, plan, _budget(ns), device=ns.device)
     except PlanError as e:
         raise PlanError(f"{ns.plan}: {e}") from None
-    result = run_trial(workload, plan, _budget(ns), device=ns.device)
     if ns.json:
-        print(json.dumps(result.to_dict(), indent=2))
-        return 0
-    prov = result.provenance
-    print(f"workload {result.workload} (batch {result.batch_size}) on {prov['device_name']}, torch {prov['torch']}")
-    print(f"plan: {plan.describe()}")
-    print(f"{'variant':<12} {'p90 QPS':>12} {'median QPS':>12} {'gain p90':>9} {'NE':>7}")
-    base = result.variants["baseline"].p90_qps
-    ne = {"baseline": result.ne_baseline, "candidate": result.ne_candidate}
-    for name, v in result.variants.items():
-        ne_s = f"{ne[name]:.4f}" if name in ne else "-"
-        print(f"{name:<12} {v.p90_qps:>12,.0f} {v.median_qps:>12,.0f} {v.p90_qps / base - 1:>+9.1%} {ne_s:>7}")
-    lo, hi = result.gain_spread
-    print(f"gain p90 {result.gain_p90:+.2%} (median {result.gain_median:+.2%}, per window {lo:+.1%}..{hi:+.1%});"
-          f" NE gap {result.ne_gap:+.2%}")
-    if result.gain_detach_only is not None:
-        print(f"of which work removed (detach only): {result.gain_detach_only:+.2%}")
-    if result.gain_vs_reference is not None:
-        print(f"vs whole-step-graph baseline: {result.gain_vs_reference:+.2%}")
-    if prov.get("data_passes", 0) > 1:
-        print(f"note: training read its batches {prov['data_passes']:.1f} times (raise the workload's train_batches "
-              "for one pass; a second pass can over-fit and skew NE)")
+        _emit_json(result.to_dict())
+    else:
+        print(trial_table(result))
     return 0
 
 
@@ -114,7 +100,7 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     result = run_bench(workload, budget=_budget(ns), device=ns.device, cuts=cuts, streams=ns.streams,
                        trace_dir=ns.trace, only=only)
     if ns.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        _emit_json(result.to_dict())
         return 0
     prov = result.provenance
     print(f"workload {result.workload} (batch {result.batch_size}) on {prov['device_name']}, "
@@ -124,55 +110,74 @@ def cmd_bench(ns: argparse.Namespace) -> int:
 
 
 def cmd_start(ns: argparse.Namespace) -> int:
-    from erase_tune.tune.driver import start_job
-
-    live = sys.stdout.isatty()
-
-    def show(p) -> None:
-        best = (f"best within NE budget: {p.best.qps_gain:+.2%} at NE gap {p.best.ne_gap:+.2%} (trial {p.best.number})"
-                if p.best else "no trial within the NE budget yet")
-        status = f"[{p.done + p.failed}/{p.target}] done {p.done}, running {p.running}, failed {p.failed}; {best}"
-        if live:
-            print(f"\r\033[K{p.message}\n{status}", end="", flush=True)
-        else:
-            print(f"{p.message}\n  {status}", flush=True)
+    from erase_tune.tune.job import start_job
+    from erase_tune.tune.tables import progress_line, start_summary
 
     summary = start_job(ns.space, study_name=ns.study, trials=ns.trials, storage=ns.storage,
-                        ray_address=ns.ray_address, slots=ns.slots, on_progress=show)
-    if live:
-        print()
-    o = summary.overhead
-    print(f"study {summary.study_name}: {summary.complete} complete, {summary.failed} failed")
-    if o["trials"]:
-        print(f"scheduler overhead per trial: {o['driver_s']:.3f}s driver (ask/tell/db) + {o['dispatch_s']:.3f}s Ray "
-              f"dispatch = {o['fraction']:.2%} of {o['trial_s']:.1f}s trial time; fresh worker start "
-              f"{o['startup_s']:.2f}s more ({o['fraction_with_startup']:.1%} in all)")
-    if summary.front:
-        print("Pareto front within the NE budget (best first): "
-              + ", ".join(f"trial {p.number} {p.qps_gain:+.2%}/{p.ne_gap:+.2%}" for p in summary.front))
-    print(f"next: erase-tune status --study {summary.study_name}"
-          + (f" --storage '{summary.storage}'" if ns.storage else "")
-          + f"; erase-tune export --study {summary.study_name} -o best.yaml")
+                        ray_address=ns.ray_address, slots=ns.slots, working_dir=ns.working_dir,
+                        py_modules=ns.py_module, gpu_wait_s=ns.gpu_wait, grace_period_s=ns.grace_period,
+                        confirm_windows=0 if ns.no_confirm else ns.repeats,
+                        on_progress=lambda p: log.info(progress_line(p)))
+    flag = f" --storage {shlex.quote(summary.storage)}"
+    if ns.json:
+        _emit_json({**dataclasses.asdict(summary),
+                    "next": [f"erase-tune status --study {summary.study_name}{flag}",
+                             f"erase-tune export --study {summary.study_name}{flag} -o best.yaml"]})
+        return 0
+    print(start_summary(summary))
+    print(f"next: erase-tune status --study {summary.study_name}{flag}")
+    print(f"      erase-tune export --study {summary.study_name}{flag} -o best.yaml")
     return 0
 
 
 def cmd_status(ns: argparse.Namespace) -> int:
-    from erase_tune.tune.report import job_status
+    from erase_tune.tune.status import job_status, list_jobs, trial_detail
 
+    if ns.trial is not None:
+        detail = trial_detail(ns.storage, ns.study, ns.trial)
+        _emit_json(dataclasses.asdict(detail)) if ns.json else print(detail.table())
+        return 0
+    if ns.study is None:
+        jobs = list_jobs(ns.storage)
+        if len(jobs) > 1:
+            if ns.json:
+                _emit_json([dataclasses.asdict(j) for j in jobs])
+            else:
+                for j in jobs:
+                    print(f"{j.study_name}: {j.status}, target {j.n_trials_target} trials, workload {j.workload}")
+            return 0
     status = job_status(ns.storage, ns.study)
-    if ns.json:
-        print(json.dumps(dataclasses.asdict(status), indent=2, default=str))
-    else:
-        print(status.table())
+    _emit_json(dataclasses.asdict(status)) if ns.json else print(status.table())
     return 0
 
 
 def cmd_export(ns: argparse.Namespace) -> int:
-    from erase_tune.tune.report import export_plan
+    from erase_tune.tune.export import export_plan
+    from erase_tune.tune.remote import confirming_executor
 
-    plan, point = export_plan(ns.storage, ns.study, ns.output, max_ne_gap=ns.max_ne_gap, pick=ns.pick)
-    print(f"wrote {ns.output}: trial {point.number}, QPS gain {point.qps_gain:+.2%}, NE gap {point.ne_gap:+.2%}")
-    print(f"plan: {plan.describe()}")
+    factory = confirming_executor(ns.ray_address, ns.working_dir, ns.py_module)
+    done = export_plan(ns.storage, ns.study, ns.output, max_ne_gap=ns.max_ne_gap, pick=ns.pick,
+                       windows=ns.repeats, force=ns.force, executor_factory=factory)
+    p, c = done.point, done.confirmation
+    if ns.json:
+        _emit_json({"output": ns.output, "trial": p.number, "search_qps_gain": p.qps_gain, "ne_gap": p.ne_gap,
+                    "confirmed": None if c is None else {"gain": c.gain, "lo": c.gain_lo, "hi": c.gain_hi,
+                                                         "windows": c.windows},
+                    "plan": done.plan.to_dict()})
+        return 0
+    print(f"wrote {ns.output}: trial {p.number}, search QPS gain {p.qps_gain:+.2%}, NE gap {p.ne_gap:+.2%}")
+    if c is not None:
+        print(f"confirmed gain {c.gain:+.2%} [95% interval {c.gain_lo:+.2%}, {c.gain_hi:+.2%}] over {c.windows} windows"
+              + ("" if c.gain_lo > 0 else "  (NOT a confirmed gain: written because of --force)"))
+    print(f"plan: {done.plan.describe()}")
+    return 0
+
+
+def cmd_report(ns: argparse.Namespace) -> int:
+    from erase_tune.tune.html_report import report
+
+    files = report(ns.storage, ns.study, ns.output)
+    print(f"wrote {files.html}" + "".join(f"\n      {png}" for png in files.pngs))
     return 0
 
 
@@ -184,87 +189,37 @@ def cmd_dashboard(ns: argparse.Namespace) -> int:
 
 
 def cmd_db(ns: argparse.Namespace) -> int:
-    from erase_tune.store import Store, default_storage_url
+    from erase_tune.store import default_storage_url
+    from erase_tune.store.storage import open_storage
 
-    store = Store(ns.storage or default_storage_url())
+    db = open_storage(ns.storage if ns.storage is not None else default_storage_url(),
+                      must_exist=ns.action == "current", upgrade=ns.action == "upgrade")
     try:
-        if ns.action == "upgrade":
-            store.upgrade()
-        print(f"{store.url}: schema at revision {store.current_revision()}")
+        print(f"{db.url}: schema at revision {db.store.current_revision()}")
     finally:
-        store.close()
+        db.close()
     return 0
 
 
-COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {}
-
-
-def _trial_args(p: argparse.ArgumentParser) -> None:
-    _add_workload(p)
-    p.add_argument("--plan", required=True, help="plan file (YAML)")
-    _add_budget(p)
-
-
-def _bench_args(p: argparse.ArgumentParser) -> None:
-    _add_workload(p)
-    p.add_argument("--cuts", help="comma-separated cut targets (default: the workload's candidates)")
-    p.add_argument("--streams", type=int, default=4, help="side streams for the ERASE variants (default 4)")
-    p.add_argument("--trace", metavar="DIR", help="also profile the ERASE variants and report stream overlap")
-    p.add_argument("--only", help="comma-separated variant names to run (baselines always run)")
-    _add_budget(p, quality=False)
-
-
-def _storage(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--storage", help="SQLAlchemy URL (default sqlite:///erase-tune.db; postgresql+psycopg://... for "
-                                     "several workers)")
-
-
-def _start_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--space", required=True, help="search space file (search_spaces/*.yaml)")
-    p.add_argument("--study", help="study name (default: the space file's name); an existing study is resumed")
-    p.add_argument("--trials", type=int, help="trials the study should hold when done (default: the space's)")
-    _storage(p)
-    p.add_argument("--ray-address", help="join a Ray cluster (auto or host:port); default: start Ray locally")
-    p.add_argument("--slots", type=int, help="trials in flight (default: one per GPU, else one per CPU)")
-
-
-def _status_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--study", help="study name (default: the only study in the storage)")
-    _storage(p)
-    p.add_argument("--json", action="store_true")
-
-
-def _export_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--study", required=True)
-    _storage(p)
-    p.add_argument("--max-ne-gap", type=float, help="NE-gap budget (default: the job's)")
-    p.add_argument("--pick", default="max-gain", choices=["max-gain", "knee"])
-    p.add_argument("-o", "--output", required=True, help="plan file to write")
-
-
-def _dashboard_args(p: argparse.ArgumentParser) -> None:
-    _storage(p)
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8080)
-
-
-def _db_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", choices=["upgrade", "current"])
-    _storage(p)
-
-
-COMMANDS["trial"] = ("measure one plan against the baseline", _trial_args, cmd_trial)
-COMMANDS["bench"] = ("time the runtime's variants side by side", _bench_args, cmd_bench)
-COMMANDS["start"] = ("run (or resume) a tuning job", _start_args, cmd_start)
-COMMANDS["status"] = ("a job and its Pareto front", _status_args, cmd_status)
-COMMANDS["export"] = ("write the chosen plan file for production", _export_args, cmd_export)
-COMMANDS["dashboard"] = ("serve optuna-dashboard on the job storage", _dashboard_args, cmd_dashboard)
-COMMANDS["db"] = ("database schema: upgrade or show the current revision", _db_args, cmd_db)
+COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
+    "trial": ("measure one plan against the baseline", trial_args, cmd_trial),
+    "bench": ("time the runtime's variants side by side", bench_args, cmd_bench),
+    "start": ("run (or resume) a tuning job", start_args, cmd_start),
+    "status": ("a job, its Pareto front and confirmations; or one trial", status_args, cmd_status),
+    "export": ("confirm the front and write the chosen plan file for production", export_args, cmd_export),
+    "report": ("write an HTML report with figures of a study", report_args, cmd_report),
+    "dashboard": ("serve optuna-dashboard on the job storage", dashboard_args, cmd_dashboard),
+    "db": ("database schema: upgrade or show the current revision", db_args, cmd_db),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="erase-tune", description="Autotune ERASE detachment placement.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+    parser = Parser(prog="erase-tune", description="Autotune ERASE detachment placement.")
+    parser.add_argument("--version", action="version", version=f"erase-tune {__version__}")
+    verbosity = parser.add_mutually_exclusive_group()
+    verbosity.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv: debug)")
+    verbosity.add_argument("-q", "--quiet", action="store_true", help="errors and results only")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
     for name, (help_text, add_args, func) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         add_args(p)
@@ -272,25 +227,47 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _quiet_libraries() -> None:
-    """Optuna's per-trial INFO logs and experimental-API warnings would drown the progress display."""
-    import warnings
+def _configure_logging(ns: argparse.Namespace) -> None:
+    level = logging.WARNING if ns.quiet else (logging.DEBUG if ns.verbose > 1 else logging.INFO)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log.handlers[:] = [handler]
+    log.setLevel(level)
+    log.propagate = False
+    if ns.command in ("start", "status", "export", "dashboard", "report"):
+        import warnings
 
-    import optuna
+        import optuna
 
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+        # Optuna's per-trial INFO lines and experimental-API warnings would drown the progress;
+        # its heartbeat is used with ask/tell on purpose (the driver beats for its trials).
+        optuna.logging.set_verbosity(optuna.logging.DEBUG if ns.verbose > 1 else optuna.logging.WARNING)
+        warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+        warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
+
+
+_SERVICE_MODULES = {"optuna", "optuna_dashboard", "ray", "sqlalchemy", "alembic", "psycopg", "psutil", "matplotlib"}
+"""What ``erase-tune[tune]`` adds to the runtime-only install."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
-    if ns.command in ("start", "status", "export", "dashboard"):
-        _quiet_libraries()
+    # As `python -m` does: a user's `package.module:factory` next to where the command runs
+    # imports without installing it (the console script alone would not look there).
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
+        _configure_logging(ns)
         return ns.func(ns)
-    except EraseTuneError as e:
-        print(f"erase-tune: error: {e}", file=sys.stderr)
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] not in _SERVICE_MODULES:
+            raise
+        print(f"erase-tune: error: `erase-tune {ns.command}` needs the tuning service, and {e.name} is not installed: "
+              "pip install 'erase-tune[tune]'", file=sys.stderr)
         return 2
+    except EraseTuneError as e:
+        print(f"erase-tune: error: {one_line(e)}", file=sys.stderr)
+        return int(getattr(e, "exit_code", 2))
     except KeyboardInterrupt:
         print("erase-tune: interrupted", file=sys.stderr)
         return 130

@@ -1,11 +1,15 @@
-"""User-facing errors.
+"""User-facing errors, and how user-given values are shown in them.
 
 Anything a user can get wrong (a plan file, a workload name, a search space, a storage URL)
 raises :class:`EraseTuneError` with one line that names the problem. The CLI prints that line
-and exits with code 2; it never shows a traceback for these.
+and exits with code 2; it never shows a traceback for these. A value the user gave is shown
+with :func:`shown`, so a control character or a megabyte-long string in a file cannot break
+the line or flood the terminal.
 """
 
 from __future__ import annotations
+
+__all__ = ["EraseTuneError", "PlanError", "WorkloadError", "CaptureError", "shown", "one_line"]
 
 
 class EraseTuneError(Exception):
@@ -28,3 +32,22 @@ class CaptureError(EraseTuneError, RuntimeError):
     with "Offset increment outside graph capture"): restart the process, or train without
     graphs. erase-tune's trial workers are fresh processes, so a study is not affected.
     """
+
+
+def one_line(text: str, limit: int | None = None) -> str:
+    """``text`` with every non-printable character (newline, tab, escape, ...) escaped; cut
+    to at most ``limit`` characters when given."""
+    if not text.isprintable():
+        text = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+    return text if limit is None or len(text) <= limit else text[: limit - 1] + "…"
+
+
+def shown(value: object, limit: int = 80) -> str:
+    """``repr(value)`` for an error message: one line, at most ``limit`` characters."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"<an integer of {value.bit_length()} bits>"  # repr() of a huge int can raise
+    try:
+        text = one_line(repr(value))
+    except Exception:  # noqa: BLE001 (a user object's own __repr__ may raise anything)
+        text = f"<a {type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -1,24 +1,33 @@
-"""Ray trial execution: one trial per GPU slot (or CPU slot), each in a fresh worker process.
+"""Ray trial execution: a pool of warm worker groups, one trial per group at a time.
 
-``RayExecutor`` joins an existing cluster (``--ray-address auto`` or ``host:port``) or, with
-no address, starts a local Ray in-process (the embedded default). Each trial is a task
-with ``num_gpus=1`` (``0`` on a CPU-only cluster), ``max_calls=1`` so its worker process
-exits afterwards (a crash or OOM frees the device), and no retries (a failing plan fails
-again). A hung trial is cancelled with ``ray.cancel(force=True)`` and reported as failed.
+``RayExecutor`` joins the cluster named by ``--ray-address`` or, when that is not given,
+by ``RAY_ADDRESS`` (what ``ray job submit`` and KubeRay's RayJob set); with neither it
+starts a private local Ray (the embedded default) and makes sure its processes die with
+the driver, even on ``kill -9`` (:mod:`erase_tune.tune.reaper`). The workload's package
+travels to the workers through Ray's ``runtime_env`` (``working_dir``/``py_modules``).
+
+Each slot is a :class:`~erase_tune.tune.workers.WorkerGroup`; trials wait for GPUs to
+appear (an autoscaling cluster may start with none) for up to ``gpu_wait_s``, and a group
+is replaced after any failure. A hung trial is ended by killing its group's actors.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import socket
+import threading
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from erase_tune.errors import EraseTuneError
-from erase_tune.tune.worker import TrialSpec, run_spec
+from erase_tune.tune.outcome import ConfirmOutcome, Failure, TrialOutcome
+from erase_tune.tune.worker import ConfirmSpec, TrialSpec
+from erase_tune.tune.workers import WorkerGroup, _first_line
 
-__all__ = ["TrialHandle", "RayExecutor"]
+__all__ = ["TrialHandle", "RayExecutor", "resolve_address"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -26,136 +35,256 @@ class TrialHandle:
     """A submitted trial; identity is the handle itself."""
 
     spec: TrialSpec
+    group: WorkerGroup
     ref: Any
-    started: float
-    cancel_reason: str | None = None
+    others: list[Any]
+    started: float = dataclasses.field(default_factory=time.monotonic)
     submitted_at: float = dataclasses.field(default_factory=time.time)
-    driver_s: float = 0.0
-    plan_yaml: str = ""
-    plan_summary: str = ""
+    cancel_reason: str | None = None
 
 
-def _ray_trial(spec: TrialSpec) -> dict[str, Any]:
-    """Runs inside the Ray worker: the trial plus where it ran."""
-    import ray
+MAX_SLOTS = 1024
+"""Most trials in flight at once (a bound on actors created, not a cluster limit seen so far)."""
 
-    ctx = ray.get_runtime_context()
-    entered = time.time()
-    outcome = run_spec(spec)
-    outcome["process_started_at"] = _process_start()
-    outcome["entered_at"] = entered
-    outcome["ray_node"] = f"{ray.util.get_node_ip_address()}/{ctx.get_node_id()[:12]}"
-    outcome["gpu_ids"] = [str(g) for g in ray.get_gpu_ids()]
-    return outcome
+
+def resolve_address(address: str | None) -> str | None:
+    """``--ray-address``, else ``$RAY_ADDRESS``, else None (a private local Ray)."""
+    if address is not None and not address.strip():
+        raise EraseTuneError("--ray-address: must not be empty (leave it out for $RAY_ADDRESS or a private local Ray)")
+    return address or os.environ.get("RAY_ADDRESS") or None
+
+
+class RayExecutor:
+    """Runs trial specs on warm worker groups, ``slots`` at a time."""
+
+    def __init__(self, address: str | None = None, *, workload: str, slots: int | None = None,
+                 device: str = "auto", gpus_per_trial: int = 1, runtime_env: Mapping[str, Any] | None = None,
+                 gpu_wait_s: float = 600.0) -> None:
+        import ray
+
+        self._ray = ray
+        self._started_ray = False
+        address = resolve_address(address)
+        if slots is not None and not 1 <= slots <= MAX_SLOTS:
+            raise EraseTuneError(f"--slots: {slots} must be in 1..{MAX_SLOTS}")
+        if address and address != "auto":
+            _check_reachable(address)
+        env = dict(runtime_env or {})
+        if not ray.is_initialized():
+            try:
+                if address:
+                    ray.init(address=address, runtime_env=env or None, log_to_driver=False, logging_level="error")
+                else:
+                    # "local": always a new Ray, even if another cluster runs on this machine.
+                    ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False,
+                             runtime_env=env or None, log_to_driver=False, logging_level="error",
+                             object_store_memory=256 * 1024**2)
+                    from erase_tune.tune.reaper import reap_children_on_exit
+
+                    reap_children_on_exit()
+            except Exception as e:  # noqa: BLE001 - Ray raises anything from a bad address (AssertionError too)
+                where = f"at {address!r}" if address else "locally"
+                raise EraseTuneError(f"cannot start or join Ray {where}: {_first_line(e)}") from None
+            self._started_ray = True
+        if threading.current_thread() is threading.main_thread():
+            # SIGTERM (timeout, Kubernetes, `ray job stop`) ends the job as Ctrl-C does: trials
+            # cancelled and failed, the job marked interrupted. Set after ray.init, which
+            # installs a handler of its own that only prints a stack.
+            signal.signal(signal.SIGTERM, _interrupt)
+        resources = ray.cluster_resources()
+        gpus, cpus = int(resources.get("GPU", 0)), int(resources.get("CPU", 1))
+        if device == "cuda" and not gpus and not address:
+            if self._started_ray:
+                ray.shutdown()
+            raise EraseTuneError("device: cuda, but this machine has no GPU (a cluster joined with --ray-address or "
+                                 "RAY_ADDRESS may add GPU workers later; a local Ray cannot)")
+        self.use_gpu = device == "cuda" or (device == "auto" and gpus > 0)
+        self.device = "cuda" if self.use_gpu else "cpu"
+        self.gpus_per_trial = gpus_per_trial
+        self.gpu_wait_s = gpu_wait_s
+        self.slots = slots or max(1, (gpus if self.use_gpu else cpus) // gpus_per_trial)
+        self.describe = (f"Ray {ray.__version__} ({'joined ' + address if address else 'local'}): {cpus} CPUs, "
+                         f"{gpus} GPUs; {self.slots} trial slot(s) of {gpus_per_trial} "
+                         f"{'GPU' if self.use_gpu else 'CPU'}(s)")
+        self._workload = workload
+        self._running: dict[Any, TrialHandle] = {}
+        self._groups = [self._new_group() for _ in range(self.slots)]
+        self._since_ready = time.monotonic()
+        self.worker_start_s: list[float] = []
+        """Seconds each worker group took from creation to ready (once per slot, and after failures)."""
+
+    # -- slots -------------------------------------------------------------------------------
+
+    def _new_group(self) -> WorkerGroup:
+        return WorkerGroup(ranks=self.gpus_per_trial, use_gpu=self.use_gpu, workload=self._workload)
+
+    def idle(self) -> int:
+        """Ready slots with no trial; raises if no slot could start within ``gpu_wait_s``."""
+        busy = {h.group for h in self._running.values()}
+        ready = 0
+        for g in list(self._groups):
+            was = g.state
+            state = g.poll()
+            if state == "ready" and was != "ready":
+                self.worker_start_s.append(time.monotonic() - g.created)
+            if state == "broken":
+                raise EraseTuneError(f"trial workers cannot start on this cluster: {g.failure.reason}")
+            if state == "lost":
+                self._replace(g)
+            ready += state == "ready" and g not in busy
+        if any(g.state == "ready" for g in self._groups) or self._running:
+            self._since_ready = time.monotonic()
+        elif time.monotonic() - self._since_ready > self.gpu_wait_s:
+            what = f"{self.gpus_per_trial} GPU(s) on one node" if self.use_gpu else f"{self.gpus_per_trial} CPU(s)"
+            have = self._ray.cluster_resources()
+            raise EraseTuneError(f"waited {self.gpu_wait_s:.0f}s for {what} for a trial; the cluster has "
+                                 f"{int(have.get('GPU', 0))} GPUs and {int(have.get('CPU', 0))} CPUs "
+                                 "(add GPU workers, or raise --gpu-wait)")
+        return ready
+
+    def wait_ready(self) -> None:
+        """Block until one slot's workers have started (imports done): a cluster that cannot
+        run trials at all (a package that did not travel, no GPUs within ``gpu_wait_s``) is
+        refused here, before the job touches its storage."""
+        while not self.idle():
+            time.sleep(0.2)
+
+    def submit(self, spec: TrialSpec) -> TrialHandle:
+        busy = {h.group for h in self._running.values()}
+        group = next(g for g in self._groups if g.state == "ready" and g not in busy)
+        spec = dataclasses.replace(spec, device=self.device)
+        ref, others = group.run(spec)
+        handle = TrialHandle(spec=spec, group=group, ref=ref, others=others)
+        self._running[ref] = handle
+        return handle
+
+    def resubmit(self, handle: TrialHandle) -> TrialHandle:
+        """Run the same trial again on another (fresh) group: an infrastructure retry."""
+        return self.submit(handle.spec)
+
+    @property
+    def running(self) -> list[TrialHandle]:
+        return list(self._running.values())
+
+    def wait(self, timeout: float) -> list[tuple[TrialHandle, TrialOutcome]]:
+        """Trials that finished within ``timeout`` seconds, with their outcomes."""
+        if not self._running:
+            time.sleep(min(timeout, 0.2))
+            return []
+        ready, _ = self._ray.wait(list(self._running), num_returns=1, timeout=timeout)
+        if ready:
+            ready, _ = self._ray.wait(list(self._running), num_returns=len(self._running), timeout=0)
+        done = []
+        for ref in ready:
+            handle = self._running.pop(ref)
+            outcome = self._outcome(handle)
+            if not outcome.complete:
+                self._replace(handle.group)
+            done.append((handle, outcome))
+        return done
+
+    def cancel(self, handle: TrialHandle, reason: str) -> None:
+        """Kill a trial's workers; its outcome (failed, with ``reason``) comes from :meth:`wait`."""
+        handle.cancel_reason = reason
+        for a in handle.group.actors:
+            self._ray.kill(a, no_restart=True)
+
+    def confirm(self, spec: ConfirmSpec, timeout: float, attempts: int = 3) -> ConfirmOutcome:
+        """Run a confirmation on a free slot and wait for it (at most ``timeout`` seconds per
+        attempt); a worker or node lost meanwhile is an infrastructure failure, retried on a
+        fresh slot like a trial's."""
+        outcome = ConfirmOutcome(failure=Failure(kind="infra", reason="no attempt made"))
+        for _ in range(attempts):
+            outcome = self._confirm_once(spec, timeout)
+            if outcome.failure is None or outcome.failure.kind != "infra":
+                break
+        return outcome
+
+    def _confirm_once(self, spec: ConfirmSpec, timeout: float) -> ConfirmOutcome:
+        deadline = time.monotonic() + timeout
+        while not self.idle():
+            if time.monotonic() > deadline:
+                return ConfirmOutcome(failure=Failure(kind="infra", reason="no free trial slot for the confirmation"))
+            time.sleep(0.2)
+        group = next(g for g in self._groups if g.state == "ready" and g not in {h.group for h in self.running})
+        ref = group.confirm(dataclasses.replace(spec, device=self.device))
+        ready, _ = self._ray.wait([ref], timeout=max(1.0, deadline - time.monotonic()))
+        if not ready:
+            self._replace(group)
+            return ConfirmOutcome(failure=Failure(kind="trial", reason=f"confirmation timed out after {timeout:.0f}s"))
+        try:
+            return self._ray.get(ref)
+        except self._ray.exceptions.RayTaskError as e:
+            return ConfirmOutcome(failure=Failure(kind="trial", reason=f"{type(e.cause).__name__}: "
+                                                                        f"{_first_line(e.cause)}", traceback=str(e)))
+        except Exception as e:  # noqa: BLE001 - a worker or node lost during the confirmation
+            self._replace(group)
+            return ConfirmOutcome(failure=Failure(kind="infra", reason=f"worker died: {_first_line(e)}"))
+
+    def close(self) -> None:
+        for handle in list(self._running.values()):
+            self.cancel(handle, "interrupted")
+        self._running.clear()
+        for g in self._groups:
+            g.destroy()
+        if self._started_ray:
+            self._ray.shutdown()
+            self._started_ray = False
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _outcome(self, handle: TrialHandle) -> TrialOutcome:
+        number = handle.spec.trial_number
+        try:
+            outcome = self._ray.get(handle.ref)
+            for other in self._ray.get(handle.others):  # a rank > 0 that failed fails the trial
+                if not other.complete and outcome.complete:
+                    outcome = dataclasses.replace(other, trial_number=number)
+            return outcome
+        except self._ray.exceptions.RayTaskError as e:  # the worker raised: the trial's failure, not the node's
+            return TrialOutcome(trial_number=number, failure=Failure(
+                kind="trial", reason=f"{type(e.cause).__name__}: {_first_line(e.cause)}", traceback=str(e)))
+        except Exception as e:  # noqa: BLE001 - killed, crashed or lost workers
+            if handle.cancel_reason:
+                return TrialOutcome(trial_number=number, failure=Failure(kind="trial", reason=handle.cancel_reason))
+            return TrialOutcome(trial_number=number,
+                                failure=Failure(kind="infra", reason=f"worker died: {type(e).__name__}: "
+                                                                     f"{_first_line(e)}"))
+
+    def _replace(self, group: WorkerGroup) -> None:
+        try:
+            group.destroy()
+        except Exception:  # noqa: BLE001 - its node may be gone already
+            pass
+        self._groups[self._groups.index(group)] = self._new_group()
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"terminated by signal {signum}")
 
 
 def _check_reachable(address: str) -> None:
-    """Fail in seconds, with one line, where Ray would retry an unreachable head for minutes."""
-    host, sep, port = address.removeprefix("ray://").rpartition(":")
-    if not sep or not port.isdigit():
-        raise EraseTuneError(f"--ray-address: {address!r} is not auto or host:port")
+    """Fail in seconds, with one line, where Ray would retry an unreachable head for minutes
+    (the GCS at ``host:port``, or the client server at ``ray://host:port``)."""
+    bare = address.removeprefix("ray://")
+    host, sep, port = bare.rpartition(":")
+    if not sep or not host or not port.isdigit() or len(port) > 5 or not 0 < int(port) < 65536:
+        shown = address if len(address) <= 80 else address[:79] + "…"
+        raise EraseTuneError(f"--ray-address: {shown!r} is not auto, host:port or ray://host:port (port 1..65535)")
     try:
         socket.create_connection((host, int(port)), timeout=5).close()
     except OSError as e:
         raise EraseTuneError(f"--ray-address: nothing answers at {address} ({e.strerror or e})") from None
 
 
-def _process_start() -> float | None:
-    """When this worker process was created (Ray starts one per trial)."""
-    try:
-        import psutil
-
-        return psutil.Process().create_time()
-    except Exception:  # noqa: BLE001 - accounting only
-        return None
-
-
-class RayExecutor:
-    """Runs trial specs as Ray tasks, ``slots`` at a time."""
-
-    def __init__(self, address: str | None = None, *, slots: int | None = None, device: str = "auto",
-                 cpus_per_trial: int = 1) -> None:
-        import ray
-
-        self._ray = ray
-        self._started_ray = False
-        if address and address != "auto":
-            _check_reachable(address)
-        if not ray.is_initialized():
-            try:
-                if address:
-                    ray.init(address=address, log_to_driver=False, logging_level="error")
-                else:
-                    # "local": always a new in-process Ray, even if another cluster runs on this machine.
-                    ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=False,
-                             logging_level="error", object_store_memory=256 * 1024**2)
-            except (ConnectionError, RuntimeError, ValueError) as e:
-                where = f"at {address!r}" if address else "locally"
-                raise EraseTuneError(f"cannot start or join Ray {where}: {str(e).strip().splitlines()[0]}") from None
-            self._started_ray = True
-        resources = ray.cluster_resources()
-        gpus = int(resources.get("GPU", 0))
-        cpus = int(resources.get("CPU", 1))
-        if device == "cuda" and gpus == 0:
-            raise EraseTuneError("device: cuda asked for, but the Ray cluster has no GPU")
-        self.use_gpu = gpus > 0 and device != "cpu"
-        self.device = "cuda" if self.use_gpu else "cpu"
-        default_slots = gpus if self.use_gpu else max(1, cpus // cpus_per_trial)
-        if slots is not None and slots < 1:
-            raise EraseTuneError(f"--slots: {slots} must be >= 1")
-        self.slots = slots or default_slots
-        self.describe = (f"Ray {ray.__version__} ({'joined ' + address if address else 'local'}): "
-                         f"{cpus} CPUs, {gpus} GPUs; {self.slots} trial slot(s) on {self.device}")
-        self._task = ray.remote(max_calls=1, max_retries=0)(_ray_trial).options(
-            num_gpus=1 if self.use_gpu else 0, num_cpus=cpus_per_trial,
-        )
-        self._running: dict[Any, TrialHandle] = {}
-
-    @property
-    def running(self) -> list[TrialHandle]:
-        return list(self._running.values())
-
-    def submit(self, spec: TrialSpec) -> TrialHandle:
-        spec = dataclasses.replace(spec, device=self.device)
-        handle = TrialHandle(spec=spec, ref=self._task.remote(spec), started=time.monotonic())
-        self._running[handle.ref] = handle
-        return handle
-
-    def wait(self, timeout: float) -> list[tuple[TrialHandle, dict[str, Any]]]:
-        """Trials that finished within ``timeout`` seconds, with their outcome dicts."""
-        if not self._running:
-            return []
-        refs = list(self._running)
-        ready, rest = self._ray.wait(refs, num_returns=1, timeout=timeout)
-        if ready and rest:
-            more, _ = self._ray.wait(rest, num_returns=len(rest), timeout=0)
-            ready += more
-        done = []
-        for ref in ready:
-            handle = self._running.pop(ref)
-            done.append((handle, self._outcome(handle)))
-        return done
-
-    def cancel(self, handle: TrialHandle, reason: str) -> None:
-        """Kill a trial's worker; its outcome (failed, with ``reason``) comes from :meth:`wait`."""
-        handle.cancel_reason = reason
-        self._ray.cancel(handle.ref, force=True)
-
-    def _outcome(self, handle: TrialHandle) -> dict[str, Any]:
-        try:
-            return self._ray.get(handle.ref)
-        except Exception as e:  # noqa: BLE001 - crashed, killed or cancelled workers are trial failures
-            elapsed = time.monotonic() - handle.started
-            if handle.cancel_reason:
-                return {"status": "failed", "reason": handle.cancel_reason, "duration_s": elapsed}
-            text = str(e).strip().splitlines()
-            first = next((line for line in text if line.strip()), type(e).__name__)
-            return {"status": "failed", "reason": f"worker died: {type(e).__name__}: {first[:300]}", "duration_s": elapsed}
-
-    def close(self) -> None:
-        for handle in list(self._running.values()):
-            self.cancel(handle, "interrupted")
-        self._running.clear()
-        if self._started_ray:
-            self._ray.shutdown()
-            self._started_ray = False
+def runtime_env(working_dir: str | None, py_modules: Sequence[str]) -> dict[str, Any]:
+    """Ray's ``runtime_env`` that ships a user's workload package to the workers."""
+    env: dict[str, Any] = {}
+    for path in [p for p in [working_dir, *py_modules] if p]:
+        if not os.path.exists(path):
+            raise EraseTuneError(f"--working-dir/--py-module: {path} does not exist")
+    if working_dir:
+        env["working_dir"] = os.path.abspath(working_dir)
+    if py_modules:
+        env["py_modules"] = [os.path.abspath(p) for p in py_modules]
+    return env

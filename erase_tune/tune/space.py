@@ -5,9 +5,11 @@ streams there are, which dispatch modes, per-cut and whole-step CUDA graphs, the
 range, FUP, the objectives, the NE-gap budget, the sampler, the per-trial budget and the
 seed plans enqueued first. It is validated at load; every error names the file and field.
 
-The space is conditional, so no trial is spent on a meaningless combination: stream, λ
-and graph flag are only asked for detached cuts; dispatch and per-cut graph flags only
-without a whole-step graph (launch order is fixed at capture there). Stream ids are
+Each candidate gets one choice among keep / place on a side stream / detach on a stream.
+The space is conditional, so no trial is spent on a meaningless combination: a stream is
+only asked for a placed or detached candidate, λ and the graph flag only for detached ones,
+dispatch and per-cut graph flags only without a whole-step graph (launch order is fixed at
+capture there), and a candidate overlapping one already used in the plan is not asked. Stream ids are
 interchangeable, so every sampled plan is canonicalised (``ErasePlan.canonical``) and the
 driver answers a repeat of an already measured plan from the study instead of re-running it.
 """
@@ -16,24 +18,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from erase_tune._files import load_yaml, read_text
-from erase_tune.errors import EraseTuneError, PlanError
-from erase_tune.runtime import DISPATCH_MODES, Cut, ErasePlan
+from erase_tune.errors import EraseTuneError, one_line
+from erase_tune.runtime import Cut, ErasePlan, Placement
+from erase_tune.runtime.plan import targets_overlap
 from erase_tune.trial import Budget
 
-__all__ = ["SearchSpace", "SpaceError", "OBJECTIVES", "GAIN_OVER", "SAMPLERS", "plan_params"]
+__all__ = ["SearchSpace", "SpaceError", "MODES", "plan_params"]
 
-OBJECTIVES = ("qps_gain", "ne_gap")
-"""Maximize the p90 QPS gain (over the baseline named by ``gain_over``); minimize the NE gap."""
-GAIN_OVER = ("eager", "graph")
-"""``eager``: over the eager baseline (no cuts). ``graph``: over the whole-step-graph
-baseline, the honest competitor on a GPU and a far steadier ratio (the CPU-launch-bound
-eager baseline drifts between windows and trials); CUDA only."""
-SAMPLERS = ("tpe", "nsga2", "gp", "random")
+MODES = ("keep", "place", "detach")
+"""What a plan may do with a candidate: leave it, run it on a side stream (gradients
+unchanged), or detach it with a local loss on a stream (ERASE)."""
 
 
 class SpaceError(EraseTuneError, ValueError):
@@ -50,9 +49,14 @@ class SearchSpace:
     """Built-in workload name or ``package.module:factory``."""
     workload_args: Mapping[str, Any]
     candidates: tuple[str, ...]
-    """Cut targets that may be detached (any subset); empty = the workload's own candidates."""
+    """Modules (or runs) a plan may place or detach; empty = the workload's own candidates."""
+    modes: tuple[str, ...]
+    """Choices per candidate among :data:`MODES`."""
     max_streams: int
-    """Side streams available; a detached cut's stream is searched in 0..max_streams."""
+    """Side streams available; a detached cut's stream is searched in 0..max_streams, a
+    placement's in 1..max_streams (with ``streams: searched``)."""
+    streams: str
+    """``searched`` or ``round_robin`` (candidate i on side stream 1 + i % max_streams)."""
     dispatch: tuple[str, ...]
     graph: tuple[bool, ...]
     """Choices of the per-cut CUDA-graph flag."""
@@ -77,6 +81,13 @@ class SearchSpace:
     device: str
     seeds: tuple[tuple[str, ErasePlan], ...]
     """(name, plan) pairs enqueued before the sampler proposes anything."""
+    working_dir: str | None = None
+    """A directory shipped to the Ray workers (the workload's code), resolved against the file."""
+    py_modules: tuple[str, ...] = ()
+    """Package directories shipped to the Ray workers, resolved against the file."""
+    gpus_per_trial: int = 1
+    """Ranks of one trial (1..64): k > 1 runs k data-parallel ranks on one node (one GPU each,
+    or one CPU each with ``device: cpu``), every variant's gradients averaged across them."""
     text: str = ""
     """The file's text, as given (stored with the job)."""
 
@@ -84,52 +95,86 @@ class SearchSpace:
 
     @classmethod
     def load(cls, path: str | Path) -> SearchSpace:
-        return cls.loads(read_text(path, "search space", SpaceError), source=str(path))
+        text = read_text(path, "search space", SpaceError)
+        return cls.loads(text, source=str(path), base=Path(path).parent)
 
     @classmethod
-    def loads(cls, text: str, source: str = "<space>") -> SearchSpace:
+    def loads(cls, text: str, source: str = "<space>", base: Path | None = None) -> SearchSpace:
+        """Parse a space; relative paths in it are resolved against ``base``."""
+        from erase_tune.tune.space_file import parse
+
         data = load_yaml(text, source, SpaceError)
+        source = one_line(source, 300)  # it prefixes every message about this space
         try:
-            return _parse(data, source, text)
+            return cls(**parse(data, base or Path.cwd()), source=source, text=text)
         except EraseTuneError as e:
             raise SpaceError(f"{source}: {e}") from None
 
     # -- plans <-> trials --------------------------------------------------------------------
 
-    def plan_from_trial(self, trial: Any, candidates: Sequence[str]) -> ErasePlan:
-        """Define-by-run: ask ``trial`` (an Optuna trial) for one plan of this space."""
+    @property
+    def may_detach(self) -> bool:
+        """Whether a plan of this space can detach anything."""
+        return "detach" in self.modes
+
+    def plan_from_trial(self, trial: Any, candidates: Sequence[str], can_detach: Guard | None = None) -> ErasePlan:
+        """Define-by-run: ask ``trial`` (an Optuna trial) for one plan of this space.
+
+        ``can_detach(cuts so far, candidate)`` says whether detaching the candidate now would
+        leave a parameter untrained (see :mod:`erase_tune.tune.checks`); where it would, the
+        candidate is only offered keep or place (under another parameter name, so every
+        name keeps one set of choices)."""
         whole = _choose(trial, "whole_step_graph", self.whole_step_graph)
         cuts: list[Cut] = []
-        taken: set[str] = set()
+        placed: list[Placement] = []
+        used: list[str] = []
         for c in candidates:
-            members = Cut(module=c).members
-            if any(_overlaps(m, t) for m in members for t in taken):
-                continue  # a module can be in one cut only: this candidate is not asked
-            if not trial.suggest_categorical(f"{c}.detach", [False, True]):
-                continue
-            taken.update(members)
-            stream = trial.suggest_int(f"{c}.stream", 0, self.max_streams) if self.max_streams else 0
-            low, high, log = self.aux_weight
-            weight = trial.suggest_float(f"{c}.aux_weight", low, high, log=log) if low < high else low
-            cuts.append(Cut(module=c, stream=stream, aux_weight=weight))
+            if any(targets_overlap(c, u) for u in used):
+                continue  # a module is in one plan element at most: this candidate is not asked
+            name, modes = _modes(self.modes, c, can_detach is None or can_detach(cuts, c))
+            mode = _choose(trial, name, modes)
+            if mode != "keep":
+                used.append(c)
+            fixed = 1 + candidates.index(c) % self.max_streams if self.max_streams else 0
+            rr = self.streams == "round_robin"
+            if mode == "place" and self.max_streams:
+                stream = fixed if rr else trial.suggest_int(f"{c}.place_stream", 1, self.max_streams)
+                placed.append(Placement(module=c, stream=stream))
+            elif mode == "detach":
+                stream = fixed if rr or not self.max_streams else trial.suggest_int(f"{c}.stream", 0, self.max_streams)
+                low, high, log = self.aux_weight
+                weight = trial.suggest_float(f"{c}.aux_weight", low, high, log=log) if low < high else low
+                cuts.append(Cut(module=c, stream=stream, aux_weight=weight))
         dispatch = "blocking"
         if cuts and not whole:
             dispatch = _choose(trial, "dispatch", self.dispatch)
             if dispatch != "deferred":  # a per-cut graph holds its backward: never deferred
                 cuts = [dataclasses.replace(c, graph=_choose(trial, f"{c.module}.graph", self.graph)) for c in cuts]
         fup = _choose(trial, "find_unused_parameters", self.find_unused_parameters)
-        plan = ErasePlan(cuts=tuple(cuts), num_streams=self.max_streams, dispatch=dispatch,
+        plan = ErasePlan(cuts=tuple(cuts), placements=tuple(placed), num_streams=self.max_streams, dispatch=dispatch,
                          whole_step_graph=whole, find_unused_parameters=fup)
         return plan.canonical()
 
 
-def plan_params(space: SearchSpace, plan: ErasePlan, candidates: Sequence[str]) -> dict[str, Any]:
+Guard = Callable[[Sequence[Cut], str], bool]
+"""``(cuts chosen so far, candidate) -> whether the candidate may be detached now``."""
+
+
+def _modes(modes: tuple[str, ...], candidate: str, detach_ok: bool) -> tuple[str, tuple[str, ...]]:
+    if detach_ok or "detach" not in modes:
+        return f"{candidate}.mode", modes
+    return f"{candidate}.mode_upstream", tuple(m for m in modes if m != "detach")
+
+
+def plan_params(space: SearchSpace, plan: ErasePlan, candidates: Sequence[str],
+                can_detach: Guard | None = None) -> dict[str, Any]:
     """The trial parameters under which :meth:`SearchSpace.plan_from_trial` yields ``plan``
     (for ``study.enqueue_trial``); raises SpaceError if the plan lies outside the space."""
-    by_module = {c.module: c for c in plan.cuts}
-    unknown = sorted(set(by_module) - set(candidates))
+    cut_of = {c.module: c for c in plan.cuts}
+    place_of = {p.module: p for p in plan.placements}
+    unknown = sorted((set(cut_of) | set(place_of)) - set(candidates))
     if unknown:
-        raise SpaceError(f"cut {unknown[0]!r} is not among the space's candidates ({', '.join(candidates)})")
+        raise SpaceError(f"{unknown[0]!r} is not among the space's candidates ({', '.join(candidates)})")
     params: dict[str, Any] = {}
 
     def fix(name: str, value: Any, choices: Sequence[Any]) -> None:
@@ -138,22 +183,34 @@ def plan_params(space: SearchSpace, plan: ErasePlan, candidates: Sequence[str]) 
         if len(choices) > 1:
             params[name] = value
 
+    def stream(name: str, value: int, low: int) -> None:
+        if space.streams == "round_robin":
+            return  # not a parameter: the stream follows from the candidate
+        if not low <= value <= space.max_streams:
+            raise SpaceError(f"{name}: {value} is outside the space's streams {low}..{space.max_streams}")
+        params[name] = value
+
     fix("whole_step_graph", plan.whole_step_graph, space.whole_step_graph)
-    taken: set[str] = set()
+    used: list[str] = []
     for c in candidates:
-        members = Cut(module=c).members
-        if any(_overlaps(m, t) for m in members for t in taken):
+        if any(targets_overlap(c, u) for u in used):
             continue  # not asked by plan_from_trial either
-        cut = by_module.get(c)
-        params[f"{c}.detach"] = cut is not None
+        cut, placed = cut_of.get(c), place_of.get(c)
+        mode = "detach" if cut else "place" if placed else "keep"
+        so_far = [x for x in plan.cuts if candidates.index(x.module) < candidates.index(c)]
+        name, modes = _modes(space.modes, c, can_detach is None or can_detach(so_far, c))
+        if mode == "detach" and "detach" not in modes:
+            raise SpaceError(f"cut {c!r} would leave parameters untrained unless the candidates before it are cut")
+        fix(name, mode, modes)
+        if mode != "keep":
+            used.append(c)
+        if placed is not None:
+            stream(f"{c}.place_stream", placed.stream, 1)
         if cut is None:
             continue
-        taken.update(members)
         if space.max_streams:
-            if cut.stream > space.max_streams:
-                raise SpaceError(f"{c}.stream: {cut.stream} exceeds the space's max_streams {space.max_streams}")
-            params[f"{c}.stream"] = cut.stream
-        low, high, log = space.aux_weight
+            stream(f"{c}.stream", cut.stream, 0)
+        low, high, _ = space.aux_weight
         if low < high:
             if not low <= cut.aux_weight <= high:
                 raise SpaceError(f"{c}.aux_weight: {cut.aux_weight} is outside [{low}, {high}]")
@@ -167,158 +224,5 @@ def plan_params(space: SearchSpace, plan: ErasePlan, candidates: Sequence[str]) 
     return params
 
 
-def _overlaps(a: str, b: str) -> bool:
-    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
-
-
 def _choose(trial: Any, name: str, choices: Sequence[Any]) -> Any:
     return trial.suggest_categorical(name, list(choices)) if len(choices) > 1 else choices[0]
-
-
-# -- parsing ---------------------------------------------------------------------------------
-
-_TOP = {"workload", "cuts", "objectives", "gain_over", "max_ne_gap", "sampler", "budget", "trials", "seed", "device", "seeds"}
-_CUTS = {"candidates", "max_streams", "dispatch", "graph", "whole_step_graph", "find_unused_parameters", "aux_weight"}
-
-
-def _parse(data: Any, source: str, text: str) -> SearchSpace:
-    if not isinstance(data, Mapping):
-        raise SpaceError(f"a search space must be a mapping of fields, got {type(data).__name__}")
-    _known(data, _TOP, "")
-    wl = data.get("workload")
-    if isinstance(wl, str):
-        wl = {"name": wl}
-    if not isinstance(wl, Mapping) or not isinstance(wl.get("name"), str) or not wl["name"]:
-        raise SpaceError("workload.name: required (ctr, gpt, mlp or package.module:factory)")
-    _known(wl, {"name", "args"}, "workload.")
-    args = wl.get("args") or {}
-    if not isinstance(args, Mapping):
-        raise SpaceError("workload.args: must be a mapping of argument names to values")
-
-    cuts = data.get("cuts") or {}
-    if not isinstance(cuts, Mapping):
-        raise SpaceError("cuts: must be a mapping")
-    _known(cuts, _CUTS, "cuts.")
-    candidates = cuts.get("candidates") or []
-    if not isinstance(candidates, list) or not all(isinstance(c, str) and c for c in candidates):
-        raise SpaceError("cuts.candidates: must be a list of module names (or runs like blocks.0:2)")
-    if len(set(candidates)) != len(candidates):
-        raise SpaceError("cuts.candidates: lists a module twice")
-    for c in candidates:
-        try:
-            Cut(module=c)
-        except PlanError as e:
-            raise SpaceError(f"cuts.candidates: {e}") from None
-    max_streams = _int(cuts.get("max_streams", 4), "cuts.max_streams", 0)
-    dispatch = _choices(cuts.get("dispatch", ["blocking", "threaded"]), "cuts.dispatch", DISPATCH_MODES)
-    graph = _bools(cuts.get("graph", [False]), "cuts.graph")
-    whole = _bools(cuts.get("whole_step_graph", [False]), "cuts.whole_step_graph")
-    fup = _bools(cuts.get("find_unused_parameters", [False]), "cuts.find_unused_parameters")
-    aux = cuts.get("aux_weight", {"low": 1.0, "high": 1.0})
-    if isinstance(aux, (int, float)) and not isinstance(aux, bool):
-        aux = {"low": aux, "high": aux}
-    if not isinstance(aux, Mapping):
-        raise SpaceError("cuts.aux_weight: must be a number or {low, high, log}")
-    _known(aux, {"low", "high", "log"}, "cuts.aux_weight.")
-    low, high = _float(aux.get("low"), "cuts.aux_weight.low"), _float(aux.get("high"), "cuts.aux_weight.high")
-    log = aux.get("log", False)
-    if not isinstance(log, bool):
-        raise SpaceError("cuts.aux_weight.log: must be true or false")
-    if not 0 < low <= high:
-        raise SpaceError(f"cuts.aux_weight: need 0 < low <= high, got low={low}, high={high}")
-
-    objectives = data.get("objectives", list(OBJECTIVES))
-    if list(objectives or []) != list(OBJECTIVES):
-        raise SpaceError(f"objectives: must be {list(OBJECTIVES)} (maximize qps_gain, minimize ne_gap)")
-    gain_over = data.get("gain_over", "eager")
-    if gain_over not in GAIN_OVER:
-        raise SpaceError(f"gain_over: {gain_over!r} is not one of {', '.join(GAIN_OVER)}")
-    device = data.get("device", "auto")
-    if gain_over == "graph" and device == "cpu":
-        raise SpaceError("gain_over: graph needs CUDA (the graph baseline does not exist on the CPU); use eager")
-    max_ne_gap = _float(data.get("max_ne_gap", 0.02), "max_ne_gap")
-    if max_ne_gap < 0:
-        raise SpaceError(f"max_ne_gap: {max_ne_gap} must be >= 0")
-
-    sampler = data.get("sampler", "tpe")
-    if isinstance(sampler, str):
-        sampler = {"name": sampler}
-    if not isinstance(sampler, Mapping):
-        raise SpaceError("sampler: must be a name or {name, seed}")
-    _known(sampler, {"name", "seed"}, "sampler.")
-    if sampler.get("name") not in SAMPLERS:
-        raise SpaceError(f"sampler.name: {sampler.get('name')!r} is not one of {', '.join(SAMPLERS)}")
-    sampler_seed = sampler.get("seed")
-    if sampler_seed is not None:
-        sampler_seed = _int(sampler_seed, "sampler.seed", 0)
-
-    b = data.get("budget") or {}
-    if not isinstance(b, Mapping):
-        raise SpaceError("budget: must be a mapping")
-    budget_fields = {"warmup_steps", "windows", "window_steps", "quality_steps", "timeout_s"}
-    _known(b, budget_fields, "budget.")
-    seed = _int(data.get("seed", 0), "seed", 0)
-    budget = Budget(**{k: v for k, v in b.items() if k != "timeout_s"}, seed=seed)
-    timeout_s = _float(b.get("timeout_s", 600), "budget.timeout_s")
-    if timeout_s <= 0:
-        raise SpaceError("budget.timeout_s: must be > 0")
-
-    if device not in ("auto", "cpu", "cuda"):
-        raise SpaceError(f"device: {device!r} is not one of auto, cpu, cuda")
-
-    seeds = []
-    for i, s in enumerate(data.get("seeds") or []):
-        if not isinstance(s, Mapping) or "plan" not in s:
-            raise SpaceError(f"seeds[{i}]: must be {{name, plan}}")
-        _known(s, {"name", "plan"}, f"seeds[{i}].")
-        try:
-            plan = ErasePlan.from_dict(s["plan"] or {})
-        except PlanError as e:
-            raise SpaceError(f"seeds[{i}].plan.{e}") from None
-        seeds.append((str(s.get("name", f"seed-{i}")), plan.canonical()))
-
-    return SearchSpace(
-        source=source, workload=wl["name"], workload_args=dict(args), candidates=tuple(candidates),
-        max_streams=max_streams, dispatch=dispatch, graph=graph, whole_step_graph=whole,
-        find_unused_parameters=fup, aux_weight=(low, high, log), max_ne_gap=max_ne_gap, gain_over=gain_over,
-        sampler=sampler["name"], sampler_seed=sampler_seed, budget=budget, timeout_s=timeout_s,
-        trials=_int(data.get("trials", 24), "trials", 1), seed=seed,
-        device=device, seeds=tuple(seeds), text=text,
-    )
-
-
-def _known(data: Mapping, known: set[str], prefix: str) -> None:
-    unknown = sorted(str(k) for k in set(data) - known)
-    if unknown:
-        raise SpaceError(f"{prefix}{unknown[0]}: unknown field (fields are: {', '.join(sorted(known))})")
-
-
-def _int(value: Any, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise SpaceError(f"{name}: {value!r} must be an integer >= {minimum}")
-    return value
-
-
-def _float(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise SpaceError(f"{name}: {value!r} must be a finite number")
-    return float(value)
-
-
-def _bools(value: Any, name: str) -> tuple[bool, ...]:
-    if isinstance(value, bool):
-        value = [value]
-    if not isinstance(value, list) or not value or not all(isinstance(v, bool) for v in value):
-        raise SpaceError(f"{name}: must be true, false, or a list of them")
-    return tuple(dict.fromkeys(value))
-
-
-def _choices(value: Any, name: str, allowed: Sequence[str]) -> tuple[str, ...]:
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list) or not value:
-        raise SpaceError(f"{name}: must be a non-empty list from {', '.join(allowed)}")
-    for v in value:
-        if v not in allowed:
-            raise SpaceError(f"{name}: {v!r} is not one of {', '.join(allowed)}")
-    return tuple(dict.fromkeys(value))

@@ -1,76 +1,69 @@
-"""The Optuna side: one multi-objective study per job, stored in SQL.
+"""The Optuna side: one multi-objective study per job, and the names everything reads it by.
 
-Objectives are ``qps_gain`` (maximize: p90 QPS gain over the eager baseline) and ``ne_gap``
-(minimize: relative NE gap); their names are set on the study so optuna-dashboard labels
-them. The NE budget is a constraint (``ne_gap - max_ne_gap <= 0``) set on each trial, which
-TPE, NSGA-II and GP honour. What each trial measured is kept in its user attrs under the names
-below, so ``status``, ``export`` and the dashboard read one source.
+Objectives are ``qps_gain`` (maximize: p90 QPS gain over the baseline the space's
+``gain_over`` names) and ``ne_gap`` (minimize: relative NE gap); their names are set on the
+study so optuna-dashboard labels them. The NE budget is a constraint, ``ne_gap - max_ne_gap
+<= 0``, stored once in the trial's ``constraints`` system attribute: Optuna 5's samplers and
+``study.best_trials`` read it, and so does optuna-dashboard 0.21 (which does not read the
+per-key form ``trial.set_constraint`` writes). Each measured number is its own scalar user
+attribute (:class:`Attr`), so the dashboard can sort and plot by it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any
 
 import optuna
-from optuna.trial import TrialState
+from optuna.trial import FrozenTrial, TrialState
 
-from erase_tune.errors import EraseTuneError
-from erase_tune.store import redact_url
-from erase_tune.store.engine import one_line, parse_url
+from erase_tune.errors import EraseTuneError, shown
+from erase_tune.trial import TrialResult
 
-__all__ = [
-    "METRIC_NAMES",
-    "DIRECTIONS",
-    "Attr",
-    "set_ne_constraint",
-    "make_sampler",
-    "open_study",
-    "load_study",
-    "objective_values",
-    "pareto_front",
-    "FrontPoint",
-]
+__all__ = ["METRIC_NAMES", "DIRECTIONS", "CONSTRAINTS", "Attr", "SAMPLERS", "make_sampler", "open_study",
+           "metric_attrs", "objective_values", "flat_attrs", "attr", "FrontPoint", "pareto_front", "measured"]
 
 METRIC_NAMES = ("qps_gain", "ne_gap")
 DIRECTIONS = ("maximize", "minimize")
+CONSTRAINTS = "constraints"
+"""System attribute: ``[ne_gap - max_ne_gap]`` (feasible when <= 0)."""
+SAMPLERS = ("front", "tpe", "nsga2", "gp", "random")
+"""``front`` (the default: erase_tune.tune.samplers.FrontSampler) and Optuna's TPE, NSGA-II, GP, random."""
 
 
 class Attr:
-    """User-attr names on trials and studies (one place, so readers and writers agree)."""
+    """User-attribute names on trials and studies (one place, so readers and writers agree)."""
 
     PLAN = "plan"  # the canonical plan, as a dict
-    PLAN_KEY = "plan_key"  # canonical YAML, to spot repeats
-    METRICS = "metrics"  # flat numbers: QPS of each variant, NE, gains
-    NE_GAP = "ne_gap"
-    MAX_NE_GAP = "max_ne_gap"
+    PLAN_KEY = "plan_key"  # canonical YAML: how repeats are recognised
+    PLAN_SUMMARY = "plan_summary"
+    SEED_NAME = "seed_name"
+    DUPLICATE_OF = "duplicate_of"  # a repeat of an earlier trial's plan, not run again
+    FAILURE_KIND = "failure_kind"  # "trial" or "infra"
     FAILURE = "failure_reason"
+    ATTEMPTS = "attempts"
     DEVICE = "device"
     NODE = "ray_node"
-    GPU = "gpu_ids"
     DURATION = "duration_s"
-    PROVENANCE = "provenance"
-    DUPLICATE_OF = "duplicate_of"
-    HEARTBEAT = "heartbeat"
-    SEED_NAME = "seed_name"
+    MAX_NE_GAP = "max_ne_gap"
+    FEASIBLE = "feasible"
     # study-level
     WORKLOAD = "workload"
-    SPACE = "space"
     GAIN_OVER = "gain_over"
+    DRIVERS = "drivers_started"
 
 
-def set_ne_constraint(trial: optuna.Trial, ne_gap: float, max_ne_gap: float) -> None:
-    """Mark the trial feasible (<= 0) when its NE gap is within the job's budget.
-
-    Optuna 5 reads constraints set on the trial itself (``constraints_func`` is deprecated);
-    TPE, NSGA-II and GP then prefer feasible trials.
-    """
-    trial.set_constraint(Attr.NE_GAP, float(ne_gap) - float(max_ne_gap))
+_OLD_METRICS = {"gain_vs_eager": "gain_p90", "gain_vs_graph": "gain_vs_reference"}
+"""Studies written before the metrics were flat kept them in one ``metrics`` dict."""
 
 
 def make_sampler(name: str, seed: int | None) -> optuna.samplers.BaseSampler:
-    """TPE (default), NSGA-II, GP or random; the first three honour the NE constraint."""
+    """A sampler by name; all but random honour the NE constraint. ``front`` is the default,
+    chosen by replayed studies on H200 measurements (docs/benchmarks.md, "Tuner efficiency")."""
+    if name == "front":
+        from erase_tune.tune.samplers import FrontSampler
+
+        return FrontSampler(seed=seed)
     if name == "tpe":
         return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, constant_liar=True,
                                           n_startup_trials=8)
@@ -80,60 +73,65 @@ def make_sampler(name: str, seed: int | None) -> optuna.samplers.BaseSampler:
         return optuna.samplers.GPSampler(seed=seed)
     if name == "random":
         return optuna.samplers.RandomSampler(seed=seed)
-    raise EraseTuneError(f"sampler: {name!r} is not one of tpe, nsga2, gp, random")
+    raise EraseTuneError(f"sampler: {name!r} is not one of {', '.join(SAMPLERS)}")
 
 
-def rdb_storage(url: str, *, must_exist: bool = False) -> optuna.storages.RDBStorage:
-    """Optuna's storage on ``url``; with ``must_exist``, a SQLite file that is not there is an
-    error (a reader with a typo in the path must not create an empty database)."""
-    parsed = parse_url(url)  # one line for a bad or unsupported URL, password masked
-    if must_exist and parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
-        if not Path(parsed.database).is_file():
-            raise EraseTuneError(f"storage {redact_url(url)}: no database file at {parsed.database}")
-    kwargs: dict[str, Any] = {}
-    if not url.startswith("sqlite"):
-        kwargs["pool_pre_ping"] = True
-    try:
-        return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
-    except Exception as e:  # noqa: BLE001 - any driver/connection error becomes one line
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        first = one_line(first.replace(url, redact_url(url)), parsed)  # and no secret the driver quoted
-        raise EraseTuneError(f"storage {redact_url(url)}: cannot open: {first}") from None
-
-
-def open_study(url: str, study_name: str, *, sampler: optuna.samplers.BaseSampler) -> optuna.Study:
+def open_study(storage: optuna.storages.BaseStorage, study_name: str, *,
+               sampler: optuna.samplers.BaseSampler | None = None) -> optuna.Study:
     """Create the job's study, or load it to resume; objective names are set either way."""
-    storage = rdb_storage(url)
     study = optuna.create_study(storage=storage, study_name=study_name, sampler=sampler,
                                 directions=list(DIRECTIONS), load_if_exists=True)
     if [d.name.lower() for d in study.directions] != list(DIRECTIONS):
-        raise EraseTuneError(f"study {study_name!r} exists with other objectives; choose another study name")
+        raise EraseTuneError(f"study {shown(study_name)} exists with other objectives; choose another study name")
     if study.metric_names != list(METRIC_NAMES):
         study.set_metric_names(list(METRIC_NAMES))
     return study
 
 
-def load_study(url: str, study_name: str | None) -> optuna.Study:
-    """An existing study; without a name, the only study in the storage."""
-    storage = rdb_storage(url, must_exist=True)
-    names = [s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False)]
-    if study_name is None:
-        if len(names) != 1:
-            listed = ", ".join(names) if names else "none"
-            raise EraseTuneError(f"--study is needed: {redact_url(url)} holds {len(names)} studies ({listed})")
-        study_name = names[0]
-    if study_name not in names:
-        listed = ", ".join(names) if names else "none"
-        raise EraseTuneError(f"no study named {study_name!r} in {redact_url(url)} (studies: {listed})")
-    return optuna.load_study(study_name=study_name, storage=storage)
+def metric_attrs(result: TrialResult) -> dict[str, float]:
+    """The flat numbers a trial records (sortable in the dashboard); no samples."""
+    out: dict[str, float | None] = {
+        "gain_vs_eager": result.gain_p90, "gain_vs_graph": result.gain_vs_reference,
+        "gain_detach_only": result.gain_detach_only, "gain_median": result.gain_median,
+        "gain_lo": result.gain_spread[0], "gain_hi": result.gain_spread[1],
+        "ne_baseline": result.ne_baseline, "ne_candidate": result.ne_candidate, "ne_gap": result.ne_gap,
+    }
+    for name, v in result.variants.items():
+        out[f"{name}_p90_qps"], out[f"{name}_median_qps"] = v.p90_qps, v.median_qps
+    return {k: float(v) for k, v in out.items() if v is not None}
 
 
-def objective_values(metrics: dict[str, Any], gain_over: str = "eager") -> list[float]:
-    """``[qps_gain, ne_gap]`` of a trial's metrics; ``gain_over`` picks the baseline."""
-    gain = metrics["gain_p90"] if gain_over == "eager" else metrics.get("gain_vs_reference")
+def objective_values(attrs: dict[str, Any], gain_over: str) -> list[float]:
+    """``[qps_gain, ne_gap]`` from a trial's metric attributes; ``gain_over`` picks the baseline."""
+    gain = attrs.get("gain_vs_eager" if gain_over == "eager" else "gain_vs_graph")
     if gain is None:
-        raise EraseTuneError("no whole-step-graph baseline was measured (CPU trial?): gain_over: graph needs CUDA")
-    return [float(gain), float(metrics["ne_gap"])]
+        raise EraseTuneError("no whole-step-graph baseline was measured (a CPU trial?): gain_over: graph needs CUDA")
+    return [float(gain), float(attrs["ne_gap"])]
+
+
+def flat_attrs(user_attrs: dict[str, Any]) -> dict[str, Any]:
+    """A trial's user attributes in the current names; an older study's nested ``metrics``
+    dict fills the gaps."""
+    attrs = dict(user_attrs)
+    legacy = attrs.get("metrics")
+    if isinstance(legacy, dict):
+        for key, value in legacy.items():
+            attrs.setdefault(key, value)
+        for new, old in _OLD_METRICS.items():
+            if attrs.get(new) is None:
+                attrs[new] = legacy.get(old)
+    return attrs
+
+
+def attr(t: FrozenTrial, name: str) -> Any:
+    """A trial's metric attribute, also from studies that kept metrics in one dict."""
+    return flat_attrs(t.user_attrs).get(name)
+
+
+def measured(study: optuna.Study) -> list[FrozenTrial]:
+    """Complete trials that were really run (repeats of a measured plan excluded)."""
+    return [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            if t.values is not None and Attr.PLAN in t.user_attrs and Attr.DUPLICATE_OF not in t.user_attrs]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -145,31 +143,27 @@ class FrontPoint:
     """The study's objective: gain over the baseline the job's ``gain_over`` names."""
     ne_gap: float
     gain_vs_eager: float | None
-    gain_vs_reference: float | None
+    gain_vs_graph: float | None
     gain_detach_only: float | None
     plan: dict[str, Any]
     user_attrs: dict[str, Any]
 
 
 def pareto_front(study: optuna.Study, max_ne_gap: float | None = None) -> list[FrontPoint]:
-    """Complete, non-duplicate trials not dominated in (max qps_gain, min ne_gap), best gain
-    first; with ``max_ne_gap``, only trials within that NE gap take part."""
-    trials = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-              if t.values is not None and Attr.PLAN in t.user_attrs and Attr.DUPLICATE_OF not in t.user_attrs]
+    """Measured trials not dominated in (max qps_gain, min ne_gap), best gain first; with
+    ``max_ne_gap``, only trials within that NE gap take part."""
+    trials = measured(study)
     if max_ne_gap is not None:
         trials = [t for t in trials if t.values[1] <= max_ne_gap]
-    front = [
-        t for t in trials
-        if not any(o.values[0] >= t.values[0] and o.values[1] <= t.values[1] and o.values != t.values for o in trials)
-    ]
+    front = [t for t in trials if not any(o.values[0] >= t.values[0] and o.values[1] <= t.values[1]
+                                          and o.values != t.values for o in trials)]
     seen, points = set(), []
     for t in sorted(front, key=lambda t: (-t.values[0], t.values[1], t.number)):
         if tuple(t.values) in seen:
             continue
         seen.add(tuple(t.values))
-        m = t.user_attrs.get(Attr.METRICS, {})
         points.append(FrontPoint(number=t.number, qps_gain=t.values[0], ne_gap=t.values[1],
-                                 gain_vs_eager=m.get("gain_p90"), gain_vs_reference=m.get("gain_vs_reference"),
-                                 gain_detach_only=m.get("gain_detach_only"),
-                                 plan=t.user_attrs[Attr.PLAN], user_attrs=dict(t.user_attrs)))
+                                 gain_vs_eager=attr(t, "gain_vs_eager"), gain_vs_graph=attr(t, "gain_vs_graph"),
+                                 gain_detach_only=attr(t, "gain_detach_only"), plan=t.user_attrs[Attr.PLAN],
+                                 user_attrs=dict(t.user_attrs)))
     return points

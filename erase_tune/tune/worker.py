@@ -1,26 +1,31 @@
-"""What a trial worker runs: a plain, picklable spec in, a plain outcome dict out.
+"""What a trial worker runs: a plain, picklable spec in, a typed outcome out.
 
-This is the seam between the service and the library: a Ray task (or anything else) calls
-:func:`run_spec` in a fresh process; it builds the workload, runs
-:func:`erase_tune.trial.run_trial` and turns every way a trial can go wrong (bad plan, NaN,
-capture failure, CUDA OOM, any exception) into ``{"status": "failed", "reason": ...}``, so a
-broken trial is recorded, not fatal.
+This is the seam between the service and the library: a Ray actor (or anything else) calls
+:func:`run_spec` in its process; it builds the workload, runs
+:func:`erase_tune.trial.run_trial` and turns every way a trial can go wrong into a
+:class:`~erase_tune.tune.outcome.Failure` of the right kind, so a broken trial is recorded,
+not fatal. :func:`run_confirm` does the same for a confirming re-measurement.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 import traceback
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
-__all__ = ["TrialSpec", "run_spec"]
+from erase_tune.tune.outcome import ConfirmOutcome, Failure, TrialOutcome, WorkerInfo
+
+__all__ = ["TrialSpec", "ConfirmSpec", "run_spec", "run_confirm", "classify"]
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrialSpec:
-    """Everything a worker needs; plain data so it pickles across processes."""
+    """Everything a worker needs for one trial; plain data so it pickles across processes."""
 
     trial_number: int
     workload: str
@@ -29,52 +34,95 @@ class TrialSpec:
     budget: Mapping[str, Any]
     device: str = "auto"
     baseline_ne: float | None = None
+    """The baseline's held-out NE from an earlier trial of this job (saves its training)."""
 
 
-def run_spec(spec: TrialSpec) -> dict[str, Any]:
-    """Run one trial; never raises for a trial's own failure.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ConfirmSpec:
+    """A confirming re-measurement of front plans (see :mod:`erase_tune.confirm`)."""
 
-    The outcome carries wall-clock stamps (``started_at``: the worker began; ``ready_at``:
-    imports done; ``finished_at``) so the driver can split scheduling overhead from the trial.
-    """
-    started_at = time.time()
-    started = time.perf_counter()
-    ready_at = None
-    try:
+    workload: str
+    workload_args: Mapping[str, Any]
+    plans: Mapping[str, Mapping[str, Any]]
+    """Plan dicts by name (the trial number, as a string)."""
+    budget: Mapping[str, Any]
+    windows: int
+    gain_over: str
+    device: str = "auto"
+
+
+def run_spec(spec: TrialSpec, info: Callable[[], dict[str, Any]] = dict, process_group: Any = None) -> TrialOutcome:
+    """Run one trial; never raises for a trial's own failure. ``info`` adds where it ran;
+    ``process_group``: as one rank of a data-parallel trial (:mod:`erase_tune.tune.distributed`)."""
+
+    def work() -> Any:
         from erase_tune.runtime import ErasePlan
         from erase_tune.trial import Budget, run_trial
         from erase_tune.workloads import get_workload
 
-        ready_at = time.time()
         plan = ErasePlan.from_dict(dict(spec.plan))
         workload = get_workload(spec.workload, dict(spec.workload_args))
-        result = run_trial(workload, plan, Budget(**spec.budget), device=spec.device, baseline_ne=spec.baseline_ne)
+        marks["ready"] = time.time()
+        return run_trial(workload, plan, Budget(**spec.budget), device=spec.device, baseline_ne=spec.baseline_ne,
+                         process_group=process_group)
+
+    marks: dict[str, float] = {}
+    result, failure, worker = _run(work, marks, info)
+    return TrialOutcome(trial_number=spec.trial_number, result=result, failure=failure, worker=worker)
+
+
+def run_confirm(spec: ConfirmSpec, info: Callable[[], dict[str, Any]] = dict,
+                process_group: Any = None) -> ConfirmOutcome:
+    """Run one confirmation; never raises for its own failure."""
+
+    def work() -> Any:
+        from erase_tune.confirm import confirm_plans
+        from erase_tune.runtime import ErasePlan
+        from erase_tune.trial import Budget
+        from erase_tune.workloads import get_workload
+
+        workload = get_workload(spec.workload, dict(spec.workload_args))
+        plans = {name: ErasePlan.from_dict(dict(p)) for name, p in spec.plans.items()}
+        marks["ready"] = time.time()
+        return confirm_plans(workload, plans, budget=Budget(**spec.budget), windows=spec.windows,
+                             gain_over=spec.gain_over, device=spec.device, process_group=process_group)
+
+    marks: dict[str, float] = {}
+    result, failure, worker = _run(work, marks, info)
+    return ConfirmOutcome(result=result, failure=failure, worker=worker)
+
+
+def _run(work: Callable[[], T], marks: dict[str, float],
+         info: Callable[[], dict[str, Any]]) -> tuple[T | None, Failure | None, WorkerInfo]:
+    started = time.time()
+    result, failure = None, None
+    try:
+        result = work()
     except Exception as e:  # noqa: BLE001 - every failure is data for the study
-        reason = _reason(e)
-        return {"status": "failed", "reason": reason, "duration_s": time.perf_counter() - started,
-                "traceback": traceback.format_exc(limit=8), "started_at": started_at,
-                "ready_at": ready_at or time.time(), "finished_at": time.time()}
-    return {
-        "status": "complete",
-        "metrics": result.metrics(),
-        "samples": {name: list(v.steps_s) for name, v in result.variants.items()},
-        "provenance": dict(result.provenance),
-        "device": result.provenance.get("device_name"),
-        "duration_s": time.perf_counter() - started,
-        "started_at": started_at,
-        "ready_at": ready_at,
-        "finished_at": time.time(),
-    }
+        failure = classify(e, traceback.format_exc(limit=12))
+    finished = time.time()
+    worker = WorkerInfo(**{"pid": os.getpid(), **info()}, started_at=started, ready_at=marks.get("ready", finished),
+                        finished_at=finished)
+    return result, failure, worker
 
 
-def _reason(e: BaseException) -> str:
+def classify(e: BaseException, tb: str | None = None) -> Failure:
+    """A worker's exception as a failure of the right kind, with a one-line reason.
+
+    A package the worker cannot import is the cluster's problem (``infra``: the code did
+    not travel to this node); everything else the plan or workload caused is ``trial``.
+    """
     import torch
 
     from erase_tune.errors import EraseTuneError
 
-    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    text = " ".join(str(e).split())
+    if isinstance(e, ImportError) or isinstance(e.__cause__, ImportError):
+        missing = getattr(e.__cause__ if isinstance(e.__cause__, ImportError) else e, "name", None)
+        hint = f" (the worker cannot import {missing!r}: ship it with --working-dir or --py-module)" if missing else ""
+        return Failure(kind="infra", reason=f"{text[:300]}{hint}", traceback=tb)
     if isinstance(e, torch.cuda.OutOfMemoryError):
-        return f"CUDA out of memory: {text[:300]}"
+        return Failure(kind="trial", reason=f"CUDA out of memory: {text[:300]}", traceback=tb)
     if isinstance(e, EraseTuneError):
-        return text
-    return f"{type(e).__name__}: {text[:300]}"
+        return Failure(kind="trial", reason=text or type(e).__name__, traceback=tb)
+    return Failure(kind="trial", reason=f"{type(e).__name__}: {text[:300]}", traceback=tb)

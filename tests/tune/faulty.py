@@ -7,7 +7,8 @@ space's cuts, so it must never trip over the fault itself.
 
 - ``ok``: the plain ctr workload.
 - ``hang``: ``make_data`` sleeps forever (the driver must time the trial out).
-- ``crash``: ``make_data`` kills its process with ``os._exit(3)`` (a segfault or OOM kill).
+- ``crash``: ``make_data`` kills its process with ``os._exit(3)`` (a segfault, an OOM kill, a
+  lost node: an infrastructure failure, retried on a fresh worker).
 - ``nan``: every loss is NaN (the trial must fail, naming the loss).
 
 ``mode`` may also be a comma-separated script, e.g. ``ok,hang,crash,nan``: each trial
@@ -88,14 +89,15 @@ def write_space(path: Path, *, workload: str = "ctr", args: dict[str, Any] | Non
                 **fields: Any) -> Path:
     """Write a search-space file for a tiny CTR job; keyword arguments replace its fields.
 
-    Defaults: three candidates with a continuous λ (so a random sampler never proposes the
-    same plan twice by chance), blocking dispatch, CPU, random sampler, 60 s trial timeout.
+    Defaults: three candidates that are detached or kept (a continuous λ, so a random sampler
+    never proposes the same plan twice by chance), blocking dispatch, CPU, random sampler,
+    60 s trial timeout, no confirmation windows beyond what a test asks for.
     """
     space: dict[str, Any] = {
         "workload": {"name": workload, "args": {**TINY_CTR, **(args or {})}},
         "cuts": {"candidates": ["subarchs.0", "subarchs.1", "subarchs.2"], "max_streams": 1,
-                 "dispatch": ["blocking"], "graph": [False], "aux_weight": {"low": 0.3, "high": 3.0, "log": True},
-                 **(cuts or {})},
+                 "modes": ["keep", "detach"], "dispatch": ["blocking"], "graph": [False],
+                 "aux_weight": {"low": 0.3, "high": 3.0, "log": True}, **(cuts or {})},
         "max_ne_gap": 0.05,
         "sampler": {"name": "random", "seed": 0},
         "budget": {"warmup_steps": 5, "windows": 1, "window_steps": 2, "quality_steps": 5, "timeout_s": 60,

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from erase_tune.store import Store
-from tests.tune.conftest import ROOT, SMOKE, run_cli
+from tests.tune.conftest import ROOT, SMOKE, cli, run_cli
 from tests.tune.faulty import write_space
 
 SECRET = "s3cret"
@@ -32,20 +32,13 @@ def one_error_line(err: str, *needles: str) -> str:
     return lines[0]
 
 
-def cli(*argv: object) -> subprocess.CompletedProcess[str]:
-    """``python -m erase_tune ...`` in a fresh process: what a terminal would show."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "erase_tune", *map(str, argv)], capture_output=True, text=True,
-                          env=env, timeout=120, cwd=ROOT)
-
-
 @pytest.fixture(scope="module")
 def finished_job(ray_cluster, tmp_path_factory) -> dict:
     """A small finished job on SQLite, and a snapshot of everything stored for it."""
     tmp = tmp_path_factory.mktemp("done")
     url = f"sqlite:///{tmp / 'done.db'}"
     space = write_space(tmp / "done.yaml", trials=2)
-    assert run_cli("start", "--space", space, "--study", "done", "--storage", url) == 0
+    assert run_cli("start", "--space", space, "--study", "done", "--storage", url, "--no-confirm") == 0
     return {"url": url, "space": space, "tmp": tmp, "snapshot": _snapshot(url)}
 
 
@@ -53,11 +46,11 @@ def _snapshot(url: str) -> dict:
     trials = optuna.load_study(study_name="done", storage=url).get_trials()
     with Store(url) as store:
         job = store.get_job("done")
-        rows = store.trial_measurements(job)
+        rows = [store.outcome(job, t.number) for t in trials]
     return {
         "trials": [(t.number, t.state, t.values, t.params, t.user_attrs) for t in trials],
         "job": (job.id, job.status, job.space_yaml, job.n_trials_target),
-        "rows": [(r.trial_number, r.status, r.metrics) for r in rows],
+        "rows": [(r.trial_number, r.status, r.samples) for r in rows],
     }
 
 
@@ -133,11 +126,16 @@ def test_start_missing_space_file_in_a_terminal(intact, tmp_path):
 @pytest.mark.parametrize("change, needles", [
     ({"budget": {"timeout_s": -1}}, ["budget.timeout_s"]),
     ({"trials": "many"}, ["trials", "'many'"]),
+    ({"trials": 10**30}, ["trials", "a huge integer"]),
+    ({"sampler": {"name": "tpe", "seed": 2**40}}, ["sampler.seed", "0..4294967295"]),
+    ({"objectives": 5}, ["objectives: must be"]),
+    ({"seeds": 5}, ["seeds: must be a list"]),
     ({"cuts": {"max_streams": -2}}, ["cuts.max_streams"]),
-    ({"colour": "blue"}, ["colour: unknown field"]),
+    ({"colour": "blue"}, ["'colour': unknown field"]),
     ({"sampler": "cmaes"}, ["sampler.name", "'cmaes'"]),
     ({"cuts": {"candidates": ["subarchs.0", "towers.9"]}}, ["cuts.candidates", "towers.9"]),
     ({"workload": {"name": "ctr", "args": {"batch": "big"}}}, ["argument 'batch'"]),
+    ({"workload": {"name": "ctr", "args": {"rows": 10**12}}}, ["rows=1000000000000", "more than this machine"]),
     ({"seeds": [{"name": "s", "plan": {"cuts": ["subarchs.5"]}}]}, ["seeds[0]", "subarchs.5"]),
 ])
 def test_start_bad_space(intact, tmp_path, capsys, change, needles):
@@ -160,7 +158,15 @@ def test_start_malformed_space_yaml(intact, tmp_path, capsys):
 
 @pytest.mark.parametrize("flags, needle", [
     (["--trials", "0"], "--trials"),
+    (["--trials", "100001"], "--trials"),
     (["--slots", "0"], "--slots"),
+    (["--slots", "1000000"], "--slots"),
+    (["--gpu-wait", "nan"], "--gpu-wait"),
+    (["--gpu-wait", "1e308"], "--gpu-wait"),
+    (["--grace-period", "9"], "--grace-period"),
+    (["--grace-period", "99999999"], "--grace-period"),
+    (["--ray-address", "127.0.0.1:" + "9" * 5000], "--ray-address"),
+    (["--ray-address", "ray://127.0.0.1:1"], "nothing answers at ray://127.0.0.1:1"),
 ])
 def test_start_bad_numbers_leave_the_job_alone(intact, capsys, flags, needle):
     assert run_cli("start", "--space", intact["space"], "--study", "done", "--storage", intact["url"], *flags) == 2
@@ -225,6 +231,28 @@ def test_export_into_a_missing_directory(intact, tmp_path, capsys):
     assert not out.parent.exists()
 
 
+def test_export_onto_a_directory_or_into_a_read_only_one(intact, tmp_path, capsys):
+    assert run_cli("export", "--study", "done", "--storage", intact["url"], "-o", tmp_path) == 2
+    one_error_line(capsys.readouterr().err, str(tmp_path), "is a directory")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        code = run_cli("export", "--study", "done", "--storage", intact["url"], "-o", locked / "best.yaml")
+        if os.geteuid() != 0:  # root writes anywhere: the permission cannot be tested as root
+            assert code == 2
+            one_error_line(capsys.readouterr().err, str(locked), "not writable")
+    finally:
+        locked.chmod(0o755)
+
+
+@pytest.mark.parametrize("flag", ["--storage", "--study"])
+def test_empty_storage_or_study_is_an_error(intact, capsys, flag):
+    argv = {"--storage": ["--study", "x", "--storage", ""], "--study": ["--study", "", "--storage", intact["url"]]}
+    assert run_cli("start", "--space", intact["space"], *argv[flag]) == 2
+    one_error_line(capsys.readouterr().err, "empty" if flag == "--storage" else "--study")
+
+
 # -- argparse --------------------------------------------------------------------------------
 
 
@@ -264,12 +292,16 @@ def test_unreachable_ray_address_fails_fast(tmp_path, capsys):
     assert code == 2 and time.monotonic() - started < 30
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"nothing answers at 127.0.0.1:{port}" in err[0]
+    assert not (tmp_path / "r.db").exists()  # a bad Ray address writes nothing
 
 
 def test_a_gpu_space_on_a_cluster_without_gpus_is_refused_before_anything_runs(ray_cluster, tmp_path, capsys):
     url = f"sqlite:///{tmp_path / 'g.db'}"
-    assert run_cli("start", "--space", ROOT / "search_spaces" / "ctr.yaml", "--study", "g", "--trials", 1,
-                   "--storage", url) == 2
+    space = yaml.safe_load((ROOT / "search_spaces" / "ctr.yaml").read_text())
+    space["device"] = "auto"  # the shipped file says cuda (and a local Ray without a GPU refuses that at once)
+    path = tmp_path / "gpu.yaml"
+    path.write_text(yaml.safe_dump(space))
+    assert run_cli("start", "--space", path, "--study", "g", "--trials", 1, "--storage", url) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "gain_over: graph needs GPU trial slots" in err[0]
-    assert optuna.load_study(study_name="g", storage=url).trials == []
+    assert not (tmp_path / "g.db").exists()  # refused before the storage was touched

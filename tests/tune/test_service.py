@@ -1,8 +1,10 @@
 """The service end to end: start → trials in the SQL study (SQLite and PostgreSQL, real Ray)
-→ status → export → the exported plan trains in examples/train_ctr.py."""
+→ confirmation of the front → status → export → the exported plan trains in
+examples/train_ctr.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 
@@ -15,44 +17,81 @@ from tests.tune.conftest import ROOT, SMOKE, run_cli
 
 
 def test_start_status_export_train(storage_url, ray_cluster, tmp_path, capsys, python):
-    assert run_cli("start", "--space", SMOKE, "--study", "svc", "--trials", 8, "--storage", storage_url) == 0
-    out = capsys.readouterr().out
-    assert "study svc: 8 complete, 0 failed" in out and "scheduler overhead per trial" in out
+    assert run_cli("start", "--space", SMOKE, "--study", "svc", "--trials", 6, "--storage", storage_url,
+                   "--repeats", 3) == 0
+    captured = capsys.readouterr()
+    out = captured.out
+    assert "study svc: 6 complete, 0 failed" in out and "overhead per trial" in out
+    assert f"erase-tune status --study svc --storage {storage_url}" in out  # the exact next commands
+    assert "re-measured" in out  # the front was confirmed at the end
+    assert "measured, 0 running" in captured.err and "elapsed" in captured.err  # progress, on stderr
+    # The first line says whose code runs (a space file is trusted like a script).
+    assert captured.err.splitlines()[0].startswith("workload ctr: code from module erase_tune.workloads.ctr runs")
 
     study = optuna.load_study(study_name="svc", storage=storage_url)
     assert study.metric_names == ["qps_gain", "ne_gap"]
     trials = study.get_trials(states=(TrialState.COMPLETE,))
-    assert len(trials) == 8
-    seeds = [t.user_attrs.get("seed_name") for t in trials[:2]]
-    assert seeds == ["no-cuts", "all-six"]  # enqueued before the sampler proposes
+    measured = [t for t in trials if "duplicate_of" not in t.user_attrs]
+    assert len(measured) == 6
+    assert [t.user_attrs.get("seed_name") for t in trials[:3]] == ["no-cuts", "all-placed", "all-six"]
     first = trials[0]
     assert first.user_attrs["plan"]["cuts"] == [] and first.user_attrs["ray_node"]
-    m = trials[1].user_attrs["metrics"]
-    assert m["candidate_p90_qps"] > 0 and m["baseline_p90_qps"] > 0 and 0 < m["ne_baseline"] < 2
-    assert abs(trials[1].values[0] - m["gain_p90"]) < 1e-12
+    t = trials[2]
+    # Flat, sortable metrics; the objective is one of them; the budget is the dashboard's constraint.
+    assert t.user_attrs["candidate_p90_qps"] > 0 and 0 < t.user_attrs["ne_baseline"] < 2
+    assert abs(t.values[0] - t.user_attrs["gain_vs_eager"]) < 1e-12
+    assert t.system_attrs["constraints"] == [t.values[1] - 0.05]
+    assert t.user_attrs["feasible"] == (t.values[1] <= 0.05)
 
     store = Store(storage_url)
     job = store.get_job("svc")
-    assert job.status == "finished" and job.n_trials_target == 8
-    rows = store.trial_measurements(job)
-    assert [r.trial_number for r in rows] == list(range(8))
-    assert all(r.status == "complete" and len(r.samples["candidate"]) == 20 for r in rows)  # 4 windows x 5 steps
-    assert all(r.ray_node for r in rows)
+    assert job.status == "finished" and job.n_trials_target == 6
+    o = store.outcome(job, t.number)
+    assert o.status == "complete" and o.node and o.provenance["torch"]
+    assert len(o.samples["candidate"]["steps_s"]) == 20 and sorted(set(o.samples["candidate"]["window"])) == [0, 1, 2, 3]
+    assert store.confirmations(job)  # the end of start re-measured the front
+    store.close()
 
     assert run_cli("status", "--study", "svc", "--storage", storage_url) == 0
     out = capsys.readouterr().out
-    assert "8 complete" in out and "Pareto front" in out
+    assert "6 measured" in out and "Pareto front" in out and "confirmed" in out
+    assert run_cli("status", "--study", "svc", "--storage", storage_url, "--trial", t.number) == 0
+    out = capsys.readouterr().out
+    assert f"trial {t.number}: COMPLETE" in out and "samples candidate: 20 steps" in out and "torch" in out
 
     best = tmp_path / "best.yaml"
-    assert run_cli("export", "--study", "svc", "--storage", storage_url, "--max-ne-gap", "1.0", "-o", best) == 0
+    code = run_cli("export", "--study", "svc", "--storage", storage_url, "--max-ne-gap", "1.0", "--repeats", 3,
+                   "-o", best, "--force", "--json")
+    assert code == 0
+    written = json.loads(capsys.readouterr().out)
     plan = ErasePlan.load(best)
-    assert plan.provenance["study"] == "svc" and plan.provenance["workload"]["name"] == "ctr"
-    assert plan.provenance["qps_gain"] == max(t.values[0] for t in trials if t.values[1] <= 1.0)
-    assert len(store.exports(job)) == 1
-    store.close()
+    prov = plan.provenance
+    assert prov["study"] == "svc" and prov["workload"] == "ctr" and prov["trial"] == written["trial"]
+    assert prov["search_qps_gain"] == written["search_qps_gain"]
+    assert "confirmed_gain" in prov and prov["confirmed_gain_lo"] <= prov["confirmed_gain"] <= prov["confirmed_gain_hi"]
+    with Store(storage_url) as store:
+        assert len(store.exports(store.get_job("svc"))) == 1
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([python, str(ROOT / "examples" / "train_ctr.py"), "--plan", str(best), "--steps", "150"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "held-out NE" in done.stdout
+
+
+def test_the_no_cuts_plan_is_never_exported_as_a_gain(ray_cluster, tmp_path, capsys):
+    """A space that can only propose the baseline: its search 'gain' is noise, the
+    confirmation says it is the baseline, and export refuses (exit 1) unless forced."""
+    from tests.tune.faulty import write_space
+
+    url = f"sqlite:///{tmp_path / 'base.db'}"
+    space = write_space(tmp_path / "base.yaml", cuts={"modes": ["keep"]}, trials=1)
+    assert run_cli("start", "--space", space, "--study", "base", "--storage", url, "--repeats", 2) == 0
+    capsys.readouterr()
+    out = tmp_path / "best.yaml"
+    assert run_cli("export", "--study", "base", "--storage", url, "--repeats", 2, "-o", out) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "it is the baseline itself" in err[0] and not out.exists()
+    assert run_cli("export", "--study", "base", "--storage", url, "--repeats", 2, "-o", out, "--force") == 0
+    plan = ErasePlan.load(out)
+    assert plan.cuts == () and plan.provenance["confirmed"] is False

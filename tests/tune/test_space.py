@@ -5,7 +5,7 @@ from __future__ import annotations
 import optuna
 import pytest
 
-from erase_tune.runtime import Cut, ErasePlan
+from erase_tune.runtime import Cut, ErasePlan, Placement
 from erase_tune.tune.space import SearchSpace, SpaceError, plan_params
 
 CANDIDATES = ["subarchs.0", "subarchs.1", "subarchs.2", "subarchs.3"]
@@ -31,6 +31,10 @@ seeds:
       num_streams: 3
       dispatch: threaded
       cuts: [{module: subarchs.0, stream: 1, graph: true}, {module: subarchs.1, stream: 3}]
+  - name: placed
+    plan:
+      num_streams: 3
+      placements: [{module: subarchs.2, stream: 2}, {module: subarchs.3, stream: 3}]
 """
 
 
@@ -43,19 +47,31 @@ def test_loads():
     assert s.workload == "ctr" and s.workload_args == {"batch": 64}
     assert s.max_streams == 3 and s.dispatch == ("blocking", "threaded", "deferred")
     assert s.aux_weight == (0.1, 2.0, True) and s.max_ne_gap == 0.05
-    assert [name for name, _ in s.seeds] == ["no-cuts", "all"]
+    assert [name for name, _ in s.seeds] == ["no-cuts", "all", "placed"]
+    assert s.modes == ("keep", "place", "detach")
     # seed plans are canonical: stream 3 -> 2
     assert [c.stream for c in s.seeds[1][1].cuts] == [1, 2]
+
+
+def test_gpus_per_trial_defaults_to_one():
+    assert space(SPACE).gpus_per_trial == 1
+    assert space(SPACE.replace("trials: 8", "trials: 8\ngpus_per_trial: 4", 1)).gpus_per_trial == 4
 
 
 @pytest.mark.parametrize(
     "edit, needle",
     [
-        (("max_streams: 3", "max_streams: -1"), "cuts.max_streams: -1 must be an integer >= 0"),
+        (("max_streams: 3", "max_streams: -1"), "cuts.max_streams: -1 must be an integer in 0..64"),
+        (("max_streams: 3", "max_streams: 1000000000000"), "cuts.max_streams: a huge integer must be an integer in"),
+        (("max_streams: 3", "max_streams: 3\n  modes: [keep, teleport]"), "cuts.modes: 'teleport' is not one of"),
+        (("max_streams: 3", "max_streams: 0\n  modes: [keep, place]"), "cuts.modes: place needs side streams"),
+        (("seed: 3}", "seed: 1099511627776}"), "sampler.seed: a huge integer must be an integer in 0..4294967295"),
+        (("trials: 8", "trials: 8\nobjectives: 5"), "objectives: must be ['qps_gain', 'ne_gap']"),
+        (("trials: 8", "trials: 8\n1: x"), "key 1: keys must be strings"),
         (("dispatch: [blocking, threaded, deferred]", "dispatch: [blocking, async]"), "cuts.dispatch: 'async' is not one of"),
-        (("name: random", "name: annealing"), "sampler.name: 'annealing' is not one of tpe, nsga2, gp, random"),
+        (("name: random", "name: annealing"), "sampler.name: 'annealing' is not one of front, tpe, nsga2, gp, random"),
         (("max_ne_gap: 0.05", "max_ne_gap: lots"), "max_ne_gap: 'lots' must be a finite number"),
-        (("trials: 8", "trials: 8\nbogus: 1"), "bogus: unknown field"),
+        (("trials: 8", "trials: 8\nbogus: 1"), "'bogus': unknown field"),
         (("low: 0.1", "low: 5.0"), "cuts.aux_weight: need 0 < low <= high"),
         (("warmup_steps: 5", "warmup_steps: 1"), "budget.warmup_steps: 1 is too short"),
         (("stream: 3}", "stream: 7}"), "seeds[1].plan.cuts[1].stream: 7 is out of range"),
@@ -63,6 +79,10 @@ def test_loads():
         (("workload: {name: ctr, args: {batch: 64}}", "workload: {args: {}}"), "workload.name: required"),
         (("trials: 8", "trials: 8\ngain_over: fastest"), "gain_over: 'fastest' is not one of eager, graph"),
         (("trials: 8", "trials: 8\ngain_over: graph\ndevice: cpu"), "gain_over: graph needs CUDA"),
+        (("trials: 8", "trials: 8\ngpus_per_trial: 0"), "gpus_per_trial: 0 must be an integer in 1..64"),
+        (("trials: 8", "trials: 8\ngpus_per_trial: 65"), "gpus_per_trial: 65 must be an integer in 1..64"),
+        (("trials: 8", "trials: 8\ngpus_per_trial: '2'"), "gpus_per_trial: '2' must be an integer in 1..64"),
+        (("trials: 8", "trials: 8\ngpus_per_trial: true"), "gpus_per_trial: True must be an integer in 1..64"),
     ],
 )
 def test_bad_spaces_name_file_and_field(edit, needle):
@@ -72,6 +92,21 @@ def test_bad_spaces_name_file_and_field(edit, needle):
         space(SPACE.replace(old, new, 1))
     msg = str(e.value)
     assert msg.startswith("test.yaml: ") and needle in msg and "\n" not in msg, msg
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("workload: ctr\nseeds: 5", "seeds: must be a list of {name, plan}"),
+    ("workload: ctr\nobjectives: 5", "objectives: must be"),
+    ("workload: ctr\nbudget: {windows: 100000000000000000000000}", "budget.windows"),
+    ("workload: ctr\n? [1, 2]\n: 3", "unhashable key"),
+    ("workload: ctr\n3: x", "keys must be strings"),
+    ("workload: 5", "workload: must be {name, args}, got int"),
+    ("- a\n- b", "the file: must be a search space, got list"),
+])
+def test_malformed_shapes_are_one_line(text, needle):
+    with pytest.raises(SpaceError) as e:
+        space(text)
+    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
 def test_missing_and_malformed_files(tmp_path):
@@ -86,7 +121,7 @@ def test_missing_and_malformed_files(tmp_path):
 def test_sampled_plans_are_valid_canonical_and_conditional():
     s = space()
     study = optuna.create_study(directions=["maximize", "minimize"], sampler=optuna.samplers.RandomSampler(seed=0))
-    seen_whole = seen_eager = False
+    seen_whole = seen_eager = seen_placed = False
     for _ in range(60):
         trial = study.ask()
         plan = s.plan_from_trial(trial, CANDIDATES)
@@ -101,11 +136,14 @@ def test_sampled_plans_are_valid_canonical_and_conditional():
             seen_eager = True
             assert "dispatch" in names
         for c in CANDIDATES:
-            detached = trial.params[f"{c}.detach"]
-            # stream, weight and graph flag are only asked for detached cuts
-            assert (f"{c}.stream" in names) == detached and (f"{c}.aux_weight" in names) == detached
+            mode = trial.params[f"{c}.mode"]
+            # a detached cut's stream, weight and graph flag only for detached cuts; a placement's stream
+            assert (f"{c}.stream" in names) == (mode == "detach") == (f"{c}.aux_weight" in names)
+            assert (f"{c}.place_stream" in names) == (mode == "place")
+            assert (c in {p.module for p in plan.placements}) == (mode == "place")
+        seen_placed = seen_placed or bool(plan.placements)
         study.tell(trial, [0.0, 0.0])
-    assert seen_whole and seen_eager
+    assert seen_whole and seen_eager and seen_placed
 
 
 def test_overlapping_candidates_are_never_both_detached():
@@ -115,11 +153,11 @@ def test_overlapping_candidates_are_never_both_detached():
     for _ in range(40):
         trial = study.ask()
         plan = s.plan_from_trial(trial, ["blocks.0", "blocks.0:2", "blocks.1"])  # would raise on overlap
-        assert len(plan.cuts) <= 2
+        assert len(plan.cuts) + len(plan.placements) <= 2
         study.tell(trial, [0.0, 0.0])
 
 
-@pytest.mark.parametrize("seed_index", [0, 1])
+@pytest.mark.parametrize("seed_index", [0, 1, 2])
 def test_enqueued_seed_params_reproduce_the_seed_plan(seed_index):
     s = space()
     name, plan = s.seeds[seed_index]
@@ -135,14 +173,18 @@ def test_plan_params_rejects_plans_outside_the_space():
         plan_params(s, ErasePlan(cuts=(Cut(module="over"),)), CANDIDATES)
     with pytest.raises(SpaceError, match="aux_weight: 9.0 is outside"):
         plan_params(s, ErasePlan(cuts=(Cut(module="subarchs.0", aux_weight=9.0),)), CANDIDATES)
+    no_place = space(SPACE.replace("max_streams: 3", "max_streams: 3\n  modes: [keep, detach]"))
+    with pytest.raises(SpaceError, match="subarchs.0.mode: 'place' is not one of the space's choices"):
+        plan_params(no_place, ErasePlan(placements=(Placement(module="subarchs.0", stream=1),), num_streams=1),
+                    CANDIDATES)
 
 
 def test_objective_follows_gain_over():
     from erase_tune.errors import EraseTuneError
     from erase_tune.tune.study import objective_values
 
-    metrics = {"gain_p90": 0.5, "gain_vs_reference": 0.05, "ne_gap": 0.01}
+    metrics = {"gain_vs_eager": 0.5, "gain_vs_graph": 0.05, "ne_gap": 0.01}
     assert objective_values(metrics, "eager") == [0.5, 0.01]
     assert objective_values(metrics, "graph") == [0.05, 0.01]
     with pytest.raises(EraseTuneError, match="needs CUDA"):
-        objective_values({**metrics, "gain_vs_reference": None}, "graph")
+        objective_values({"gain_vs_eager": 0.5, "ne_gap": 0.01}, "graph")

@@ -1,0 +1,212 @@
+"""``erase-tune export``: confirm the front, then write the plan production training loads.
+
+The front within the NE budget is re-measured first (:mod:`erase_tune.confirm`: baseline
+and front plans interleaved in one process, ``windows`` more windows) unless the job's own
+end-of-run confirmation already did so with at least as many windows. ``export`` then picks
+among the plans whose confirmed gain interval lies above 0 — the largest confirmed gain
+(``max-gain``) or the knee of the front (``knee``) — and writes it atomically, with both
+the search measurement and the confirmation in its provenance. If no plan shows a gain, it
+says so and exits non-zero (``--force`` writes the best one anyway, marked unconfirmed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import optuna
+
+from erase_tune.errors import EraseTuneError, one_line, shown
+from erase_tune.runtime import ErasePlan
+from erase_tune.store import Confirmation, default_storage_url
+from erase_tune.store.storage import Storage, open_storage
+from erase_tune.tune.study import Attr, FrontPoint, pareto_front
+from erase_tune.tune.worker import ConfirmSpec
+
+__all__ = ["PICKS", "NoConfirmedGain", "Exported", "confirm_front", "export_plan", "pick_point", "load_study"]
+
+PICKS = ("max-gain", "knee")
+MAX_CONFIRMED = 5
+"""Front plans re-measured at most (best search gains first): one process holds them all."""
+
+
+class NoConfirmedGain(EraseTuneError):
+    """No front plan's confirmed gain interval lies above 0."""
+
+    exit_code = 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Exported:
+    plan: ErasePlan
+    point: FrontPoint
+    confirmation: Confirmation | None
+    confirmations: dict[int, Confirmation]
+
+
+def load_study(db: Storage, study_name: str | None) -> optuna.Study:
+    """An existing study; without a name, the only study in the storage."""
+    names = [s.study_name for s in optuna.get_all_study_summaries(db.optuna, include_best_trial=False)]
+    if study_name is None:
+        if len(names) != 1:
+            raise EraseTuneError(f"--study is needed: {db.url} holds {len(names)} studies ({', '.join(names) or 'none'})")
+        study_name = names[0]
+    if study_name not in names:
+        raise EraseTuneError(f"no study named {shown(study_name)} in {db.url} (studies: {', '.join(names) or 'none'})")
+    return optuna.load_study(study_name=study_name, storage=db.optuna)
+
+
+def confirm_front(db: Storage, study: optuna.Study, space_like: Any, executor: Any, front: list[FrontPoint], *,
+                  windows: int) -> dict[int, tuple[float, float, float]]:
+    """Re-measure the best ``MAX_CONFIRMED`` front plans on ``executor`` and store the results."""
+    job = db.store.get_job(study.study_name)
+    points = front[:MAX_CONFIRMED]
+    wl = study.user_attrs[Attr.WORKLOAD]
+    budget = dataclasses.asdict(space_like.budget)
+    spec = ConfirmSpec(workload=wl["name"], workload_args=wl["args"], plans={str(p.number): p.plan for p in points},
+                       budget=budget, windows=windows, gain_over=study.user_attrs.get(Attr.GAIN_OVER, "eager"))
+    outcome = executor.confirm(spec, timeout=float(space_like.timeout_s) * 2)
+    if outcome.result is None:
+        raise EraseTuneError(f"confirmation of the front failed: {outcome.failure.reason}")
+    res = outcome.result
+    out = {}
+    for p in points:
+        c = res.plans[str(p.number)]
+        if job is not None:
+            db.store.record_confirmation(job, p.number, plan_yaml=ErasePlan.from_dict(p.plan).dumps(),
+                                         gain_over=res.gain_over, windows=res.windows, gain=c.gain, gain_lo=c.lo,
+                                         gain_hi=c.hi, samples={k: v for k, v in res.samples.items()
+                                                                if k in ("baseline", str(p.number))},
+                                         provenance={**res.provenance, "is_baseline": c.is_baseline})
+        out[p.number] = (c.gain, c.lo, c.hi)
+    return out
+
+
+def pick_point(front: list[FrontPoint], pick: str, gains: dict[int, float] | None = None) -> FrontPoint:
+    """``max-gain``: the largest (confirmed, where given) gain; ``knee``: the front point
+    farthest from the chord between its extremes, in normalised units."""
+    if pick not in PICKS:
+        raise EraseTuneError(f"--pick: {pick!r} is not one of {', '.join(PICKS)}")
+    gain = (lambda p: gains.get(p.number, p.qps_gain)) if gains else (lambda p: p.qps_gain)  # noqa: E731
+    best = max(front, key=lambda p: (gain(p), -p.ne_gap))
+    if pick == "max-gain" or len(front) < 3:
+        return best
+    xs, ys = [gain(p) for p in front], [p.ne_gap for p in front]
+    xspan, yspan = (max(xs) - min(xs)) or 1.0, (max(ys) - min(ys)) or 1.0
+    pts = [((x - min(xs)) / xspan, (y - min(ys)) / yspan) for x, y in zip(xs, ys)]
+    a = min(range(len(front)), key=lambda i: pts[i][1])
+    b = max(range(len(front)), key=lambda i: pts[i][0])
+    (x1, y1), (x2, y2) = pts[a], pts[b]
+    norm = ((x2 - x1) ** 2 + (y2 - y1) ** 2) ** 0.5 or 1.0
+    dist = [abs((y2 - y1) * x - (x2 - x1) * y + x2 * y1 - y2 * x1) / norm for x, y in pts]
+    return front[max(range(len(front)), key=lambda i: (dist[i], gain(front[i])))]
+
+
+def export_plan(storage: str | None, study_name: str, out: str | Path, *, max_ne_gap: float | None = None,
+                pick: str = "max-gain", windows: int = 5, force: bool = False,
+                executor_factory: Any = None) -> Exported:
+    """Confirm the front (where not yet confirmed) and write the chosen plan to ``out``."""
+    if pick not in PICKS:
+        raise EraseTuneError(f"--pick: {pick!r} is not one of {', '.join(PICKS)}")
+    target = _check_output(Path(out))
+    db = open_storage(storage if storage is not None else default_storage_url(), must_exist=True)
+    try:
+        study = load_study(db, study_name)
+        budget = max_ne_gap if max_ne_gap is not None else study.user_attrs.get(Attr.MAX_NE_GAP)
+        front = pareto_front(study, budget)
+        if not front:
+            every = pareto_front(study)
+            if not every:
+                raise EraseTuneError(f"study {shown(study.study_name)} has no complete trial to export")
+            raise EraseTuneError(f"no trial of study {shown(study.study_name)} is within NE gap {budget:.2%} (smallest gap "
+                                 f"on the front: {min(p.ne_gap for p in every):.2%}); pass a larger --max-ne-gap")
+        job = db.store.get_job(study.study_name)
+        done = _latest(db.store.confirmations(job) if job else [], windows)
+        if any(p.number not in done for p in front[:MAX_CONFIRMED]):
+            if executor_factory is None:
+                raise EraseTuneError("the front is not confirmed yet and no executor was given to confirm it")
+            with executor_factory(job) as (executor, space_like):
+                confirm_front(db, study, space_like, executor, front, windows=windows)
+            done = _latest(db.store.confirmations(job), windows)
+        confirmed = {n: c for n, c in done.items() if any(p.number == n for p in front)}
+        showing = [p for p in front if p.number in confirmed and confirmed[p.number].gain_lo > 0]
+        if not showing and not force:
+            best = max(front, key=lambda p: confirmed[p.number].gain if p.number in confirmed else p.qps_gain)
+            c = confirmed.get(best.number)
+            seen = f"{c.gain:+.2%} [{c.gain_lo:+.2%}, {c.gain_hi:+.2%}]" if c else "unconfirmed"
+            if c is not None and c.provenance.get("is_baseline"):
+                seen = "+0% (it is the baseline itself: no cuts, no placements)"
+            raise NoConfirmedGain(f"no plan on the front shows a gain once re-measured: the best, trial {best.number},"
+                                  f" confirmed at {seen} over the {study.user_attrs.get(Attr.GAIN_OVER, 'eager')} "
+                                  "baseline; nothing written (--force writes it anyway, marked unconfirmed)")
+        point = pick_point(showing or front, pick, {n: c.gain for n, c in confirmed.items()})
+        conf = confirmed.get(point.number)
+        plan = dataclasses.replace(ErasePlan.from_dict(point.plan),
+                                   provenance=_provenance(study, db, point, pick, budget, conf))
+        _write_atomic(target, plan.dumps())
+        if job is not None:
+            db.store.record_export(job, point.number, str(target.resolve()), plan.dumps())
+        return Exported(plan=plan, point=point, confirmation=conf, confirmations=confirmed)
+    finally:
+        db.close()
+
+
+def _latest(confirmations: list[Confirmation], windows: int) -> dict[int, Confirmation]:
+    """The newest confirmation of each trial made with at least ``windows`` windows."""
+    out: dict[int, Confirmation] = {}
+    for c in confirmations:
+        if c.windows >= windows:
+            out[c.trial_number] = c
+    return out
+
+
+def _provenance(study: optuna.Study, db: Storage, point: FrontPoint, pick: str, budget: float,
+                conf: Confirmation | None) -> dict[str, Any]:
+    attrs = point.user_attrs
+    wl = study.user_attrs.get(Attr.WORKLOAD) or {}
+    out: dict[str, Any] = {
+        "study": study.study_name, "trial": point.number, "storage": db.url, "pick": pick, "max_ne_gap": budget,
+        "gain_over": study.user_attrs.get(Attr.GAIN_OVER, "eager"), "workload": wl.get("name"),
+        "workload_args": {k: v for k, v in (wl.get("args") or {}).items() if isinstance(v, (str, int, float, bool))},
+        "search_qps_gain": point.qps_gain, "search_ne_gap": point.ne_gap, "search_gain_vs_eager": point.gain_vs_eager,
+        "search_gain_vs_graph": point.gain_vs_graph, "search_gain_detach_only": point.gain_detach_only,
+        "device": attrs.get(Attr.DEVICE), "confirmed": conf is not None and conf.gain_lo > 0,
+    }
+    if conf is not None:
+        out.update({"confirmed_gain": conf.gain, "confirmed_gain_lo": conf.gain_lo, "confirmed_gain_hi": conf.gain_hi,
+                    "confirmed_windows": conf.windows, "confirmed_at": conf.created_at.isoformat(),
+                    "torch": conf.provenance.get("torch"), "cuda": conf.provenance.get("cuda")})
+    return out
+
+
+def _check_output(path: Path) -> Path:
+    if "\0" in str(path):
+        raise EraseTuneError(f"-o: {one_line(str(path), 300)} is not a file name (it holds a NUL character)")
+    try:
+        if path.is_dir():
+            raise EraseTuneError(f"-o: {path} is a directory; give the plan file's path")
+        parent = path.resolve().parent
+        if not parent.is_dir():
+            raise EraseTuneError(f"-o: directory {parent} does not exist")
+    except OSError as e:  # a name too long for the file system, say
+        raise EraseTuneError(f"-o: {one_line(str(path), 300)}: {e.strerror or e}") from None
+    if not os.access(parent, os.W_OK):
+        raise EraseTuneError(f"-o: directory {parent} is not writable")
+    return path
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.resolve().parent)
+    except OSError as e:
+        raise EraseTuneError(f"-o: cannot write in {path.resolve().parent}: {e.strerror or e}") from None
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise EraseTuneError(f"-o: cannot write {path}: {e.strerror or e}") from None

@@ -1,0 +1,189 @@
+"""``erase-tune start``: set up (or resume) a job, run its loop, confirm its front.
+
+Set-up order is chosen so that a mistake costs nothing: the space file and the workload
+are checked first (one probe forward on the CPU, before any trial runs), then Ray is
+started or joined (an unreachable cluster leaves the storage untouched), then the storage
+is opened and the study created or resumed under the study's lock. A resumed job replays
+the local journal of outcomes a previous driver measured but could not store.
+
+Resume policy: ``--trials N`` is the number of measured trials the *study* should hold, so
+re-running the same command resumes; a study tuning another workload or measuring against
+another baseline is refused (its trials would not be comparable). Each driver that starts
+on a study gets its own sampler seed (base seed + its order of arrival), so two drivers
+never propose the same sequence of plans.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from erase_tune.errors import EraseTuneError, shown
+from erase_tune.store import default_storage_url
+from erase_tune.store.engine import parse_url
+from erase_tune.store.storage import open_storage
+from erase_tune.tune.checks import CheckedSpace, check_space
+from erase_tune.tune.executor import RayExecutor, runtime_env
+from erase_tune.tune.export import confirm_front
+from erase_tune.tune.journal import Journal
+from erase_tune.tune.loop import HEARTBEAT_S, Loop, Progress
+from erase_tune.tune.record import Recorder
+from erase_tune.tune.space import SearchSpace
+from erase_tune.tune.space_file import MAX_TRIALS
+from erase_tune.tune.study import Attr, FrontPoint, make_sampler, open_study, pareto_front
+
+__all__ = ["JobSummary", "start_job", "JobFailed"]
+
+log = logging.getLogger("erase_tune")
+
+MAX_WAIT_S = 7 * 24 * 3600
+"""Longest --gpu-wait and --grace-period: a week."""
+
+
+class JobFailed(EraseTuneError):
+    """The job ran but ended without what it was asked for (every trial failed, too many failed)."""
+
+    exit_code = 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class JobSummary:
+    study_name: str
+    storage: str
+    executor: str
+    complete: int
+    failed: int
+    stopped: str | None
+    """Why the job ended early, or None."""
+    front: list[FrontPoint]
+    """Pareto front within the job's NE budget, best gain first."""
+    confirmed: dict[int, tuple[float, float, float]]
+    """Trial number → (gain, lo, hi) of the confirmation made at the end."""
+    overhead: dict[str, float]
+
+
+def start_job(
+    space_path: str | Path,
+    *,
+    study_name: str | None = None,
+    trials: int | None = None,
+    storage: str | None = None,
+    ray_address: str | None = None,
+    slots: int | None = None,
+    working_dir: str | None = None,
+    py_modules: Sequence[str] = (),
+    gpu_wait_s: float = 600.0,
+    grace_period_s: int = 60,
+    confirm_windows: int = 5,
+    on_progress: Callable[[Progress], None] = lambda p: None,
+) -> JobSummary:
+    """Run (or resume) a tuning job; see the module docstring."""
+    space = SearchSpace.load(space_path)
+    module = space.workload.partition(":")[0] if ":" in space.workload else f"erase_tune.workloads.{space.workload}"
+    name = study_name if study_name is not None else Path(space_path).stem
+    if not name.strip():
+        raise EraseTuneError("--study: the study name must not be empty")
+    url = storage if storage is not None else default_storage_url()
+    parse_url(url)  # a malformed URL is refused before Ray starts
+    target = trials if trials is not None else space.trials
+    if not 1 <= target <= MAX_TRIALS:
+        raise EraseTuneError(f"--trials: {target} must be in 1..{MAX_TRIALS}")
+    if not 2 * HEARTBEAT_S <= grace_period_s <= MAX_WAIT_S:
+        raise EraseTuneError(f"--grace-period: {grace_period_s} must be in {2 * HEARTBEAT_S}..{MAX_WAIT_S} seconds "
+                             "(at least two heartbeats, at most a week)")
+    if not 0 <= gpu_wait_s <= MAX_WAIT_S:  # also refuses nan
+        raise EraseTuneError(f"--gpu-wait: {gpu_wait_s} must be in 0..{MAX_WAIT_S} seconds (at most a week)")
+    env = runtime_env(working_dir or space.working_dir, [*space.py_modules, *py_modules])
+    for path in [*env.get("py_modules", []), env.get("working_dir")]:
+        # The driver imports the workload too (to check the space): from where it is shipped.
+        parent = path if path == env.get("working_dir") else os.path.dirname(path)
+        if path and parent not in sys.path:
+            sys.path.insert(0, parent)
+    checked = check_space(space)
+
+    executor = RayExecutor(ray_address, workload=space.workload, slots=slots, device=space.device,
+                           gpus_per_trial=space.gpus_per_trial, runtime_env=env, gpu_wait_s=gpu_wait_s)
+    try:
+        if space.gain_over == "graph" and executor.device != "cuda":
+            raise EraseTuneError(f"{space.source}: gain_over: graph needs GPU trial slots, and this Ray cluster has "
+                                 "none (use gain_over: eager, or a cluster with GPUs, or device: cuda to wait for them)")
+        executor.wait_ready()
+        db = open_storage(url, heartbeat_interval=HEARTBEAT_S, grace_period=grace_period_s)
+        try:
+            loop = _set_up(db, space, name, str(space_path), target, checked, executor, on_progress)
+            # The first line of a job that runs (a refusal before this point is its one error line).
+            log.info("workload %s: code from module %s runs here and on the workers (a space file is trusted like "
+                     "a script)", space.workload, module)
+            summary = _run(db, loop, space, name, executor, confirm_windows)
+        finally:
+            db.close()
+    finally:
+        executor.close()
+    return summary
+
+
+def _set_up(db: Any, space: SearchSpace, name: str, space_path: str, target: int, checked: CheckedSpace,
+            executor: RayExecutor, on_progress: Callable[[Progress], None]) -> Loop:
+    workload_attr = {"name": space.workload, "args": dict(space.workload_args)}
+    with db.lock(f"study:{name}"):
+        study = open_study(db.optuna, name)
+        tuned, over = study.user_attrs.get(Attr.WORKLOAD), study.user_attrs.get(Attr.GAIN_OVER)
+        if tuned is not None and tuned != workload_attr:
+            raise EraseTuneError(f"study {shown(name)} tunes workload {tuned['name']} with other arguments than "
+                                 f"{space.source}: use another study name")
+        if over is not None and over != space.gain_over:
+            raise EraseTuneError(f"study {shown(name)} measures qps_gain over the {over} baseline; {space.source} says "
+                                 f"{space.gain_over}: use another study name")
+        drivers = int(study.user_attrs.get(Attr.DRIVERS, 0))
+        for key, value in ((Attr.WORKLOAD, workload_attr), (Attr.MAX_NE_GAP, space.max_ne_gap),
+                           (Attr.GAIN_OVER, space.gain_over), (Attr.DRIVERS, drivers + 1)):
+            study.set_user_attr(key, value)
+        if not study.get_trials(deepcopy=False):
+            for seed_name, params in checked.seeds:
+                study.enqueue_trial(params, user_attrs={Attr.SEED_NAME: seed_name})
+        job = db.store.create_job(study_name=name, space_path=space_path, space_yaml=space.text,
+                                  workload=space.workload, settings={"trials": target}, n_trials_target=target,
+                                  get_or_create=True)
+        job = db.store.set_job_status(name, "running", n_trials_target=target)
+        seed = None if space.sampler_seed is None else space.sampler_seed + 1_000_003 * drivers
+        study.sampler = make_sampler(space.sampler, seed)
+        recorder = Recorder(study=study, storage=db, job=job, space=space)
+        journal = Journal(db.url, name)
+        for entry in journal.entries():  # outcomes a driver measured but could not store
+            recorder.record(entry.trial_number, entry.plan_key, entry.outcome, entry.attempts)
+            journal.remove(entry.trial_number)
+    return Loop(space=space, study=study, storage=db, executor=executor, recorder=recorder, journal=journal,
+                checked=checked, target=target, max_failures=max(3, target), on_progress=on_progress)
+
+
+def _run(db: Any, loop: Loop, space: SearchSpace, name: str, executor: RayExecutor,
+         confirm_windows: int) -> JobSummary:
+    try:
+        loop.run()
+    except BaseException as e:
+        interrupted = isinstance(e, KeyboardInterrupt)
+        loop.abort("interrupted" if interrupted else f"driver stopped: {e}")
+        try:
+            db.store.set_job_status(name, "interrupted" if interrupted else "failed",
+                                    error=" ".join(str(e).split()) or type(e).__name__)
+        except Exception:  # noqa: BLE001 - the storage itself may be what failed
+            pass
+        raise
+    complete, failed = loop.counts()
+    front = pareto_front(loop.study, space.max_ne_gap)
+    confirmed = {}
+    if confirm_windows and front:
+        confirmed = confirm_front(db, loop.study, space, executor, front, windows=confirm_windows)
+    stopped = loop.stopped
+    if complete == 0 or (stopped is not None and complete < loop.target and failed >= loop.max_failures):
+        db.store.set_job_status(name, "failed", error=stopped or "every trial failed")
+        raise JobFailed(f"job {name}: {complete} trials measured, {failed} failed: {stopped or 'every trial failed'}"
+                        f" (see: erase-tune status --study {name} --storage '{db.url}')")
+    db.store.set_job_status(name, "finished")
+    return JobSummary(study_name=name, storage=db.url, executor=executor.describe, complete=complete,
+                      failed=failed, stopped=stopped, front=front, confirmed=confirmed, overhead=loop.overhead())

@@ -1,0 +1,278 @@
+"""The ask → submit → tell loop of one driver; any number of drivers may share a study.
+
+Admission happens under the study's lock (:meth:`Storage.lock`): count what the study
+holds, ask Optuna for a trial, turn it into a canonical plan and decide, all atomically with
+respect to other drivers. So the target is the study's, not each driver's (the study ends
+with ``target`` measured trials however many drivers run), and no plan is run that another
+driver has measured, is running, or saw fail. Repeats of measured plans are answered from
+the earlier trial and do not count; trial failures are recorded once and do not count
+either; infrastructure failures are retried on a fresh worker group first.
+
+Liveness is Optuna's heartbeat: every driver beats for its own running trials and fails
+other drivers' trials whose heartbeat went stale (``fail_stale_trials``); the loop ends
+only when the study has its measured trials and nothing is RUNNING, so a re-run right
+after a ``kill -9`` finishes the job with no trial left RUNNING.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime as dt
+import logging
+import time
+from collections.abc import Callable
+
+import optuna
+from optuna.storages import fail_stale_trials
+from optuna.trial import TrialState
+
+from erase_tune.runtime import ErasePlan
+from erase_tune.store.storage import Storage, StorageLost, retrying
+from erase_tune.tune.checks import CheckedSpace
+from erase_tune.tune.executor import RayExecutor, TrialHandle
+from erase_tune.tune.journal import Entry, Journal
+from erase_tune.tune.outcome import TrialOutcome
+from erase_tune.tune.record import Recorder
+from erase_tune.tune.space import SearchSpace
+from erase_tune.tune.study import Attr, FrontPoint, measured, pareto_front
+from erase_tune.tune.worker import TrialSpec
+
+__all__ = ["Progress", "Loop", "HEARTBEAT_S", "MAX_INFRA_RETRIES"]
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 5
+"""Seconds between a driver's heartbeats for its running trials (Optuna's heartbeat_interval)."""
+MAX_INFRA_RETRIES = 2
+"""Extra attempts of a trial whose worker, node or environment failed."""
+MAX_REPEATS_IN_A_ROW = 50
+"""Proposals in a row that repeat known plans: the sampler has nothing new to offer."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Progress:
+    """A snapshot for the live display."""
+
+    event: str
+    """``started``, ``trial`` (one finished), ``repeat``, ``retry`` or ``done``."""
+    message: str
+    done: int
+    failed: int
+    running: int
+    target: int
+    elapsed_s: float
+    eta_s: float | None
+    """Estimated seconds left, from the mean trial time so far; None before the first."""
+    best: FrontPoint | None
+
+
+@dataclasses.dataclass(eq=False)
+class _Inflight:
+    number: int
+    plan: ErasePlan
+    key: str
+    spec: TrialSpec
+    handle: TrialHandle | None = None
+    attempts: int = 1
+
+
+class Loop:
+    """One driver's loop over one job (see the module docstring)."""
+
+    def __init__(self, *, space: SearchSpace, study: optuna.Study, storage: Storage, executor: RayExecutor,
+                 recorder: Recorder, journal: Journal, checked: CheckedSpace, target: int, max_failures: int,
+                 on_progress: Callable[[Progress], None]) -> None:
+        self.space, self.study, self.storage, self.executor = space, study, storage, executor
+        self.recorder, self.journal, self.checked = recorder, journal, checked
+        self.target, self.max_failures, self.on_progress = target, max_failures, on_progress
+        self.inflight: list[_Inflight] = []
+        self.stopped: str | None = None
+        self.started = time.monotonic()
+        self.cost: dict[str, list[float]] = {"ask": [], "record": [], "dispatch": [], "trial": []}
+        """Seconds per measured trial: admission (ask, plan, locks), recording (tell, tables),
+        Ray dispatch and return, and the trial itself in its worker."""
+        self._beat = 0.0
+        self._repeats = 0
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def run(self) -> None:
+        self.emit("started", f"job {self.study.study_name}: {self.executor.describe}")
+        while True:
+            if time.monotonic() - self._beat >= HEARTBEAT_S:
+                self.maintain()
+            for inf in [i for i in self.inflight if i.handle is None]:  # infrastructure retries
+                if self.executor.idle():
+                    inf.handle = self.executor.submit(inf.spec)
+            while self.stopped is None and self.executor.idle() and self.admit():
+                pass
+            if not self.inflight and self.db("checking the study", self.finished):
+                break
+            for handle, outcome in self.executor.wait(timeout=0.5):
+                self.finish(handle, outcome)
+            now = time.monotonic()
+            for inf in self.inflight:
+                h = inf.handle
+                if h is not None and h.cancel_reason is None and now - h.started > self.space.timeout_s:
+                    self.executor.cancel(h, f"timed out after {self.space.timeout_s:.0f}s")
+        self.emit("done", f"job {self.study.study_name}: " + (self.stopped or "done"))
+
+    def admit(self) -> bool:
+        """Ask and submit one trial if the study needs one; False when it needs none now."""
+        t0 = time.perf_counter()
+        with self.storage.lock(f"study:{self.study.study_name}"):
+            if not self.db("counting the study's trials", self._room):
+                return False
+            trial = self.db("asking for a trial", self.study.ask)
+            try:
+                admitted = self._propose(trial)
+            except BaseException:
+                with contextlib.suppress(Exception):  # never leave an asked trial RUNNING behind
+                    self.study.tell(trial, state=TrialState.FAIL)
+                raise
+        if isinstance(admitted, str):
+            self._repeats += 1
+            self.emit("repeat", admitted)
+            if self._repeats >= MAX_REPEATS_IN_A_ROW:
+                self.stopped = f"the sampler proposed only known plans {self._repeats} times in a row: space exhausted"
+                return False
+            return True
+        self._repeats = 0
+        admitted.handle = self.executor.submit(admitted.spec)
+        self.inflight.append(admitted)
+        self.cost["ask"].append(time.perf_counter() - t0)
+        return True
+
+    def _room(self) -> bool:
+        """Whether the study needs another trial now (its target counts every driver's)."""
+        trials = self.study.get_trials(deepcopy=False)
+        running = sum(t.state == TrialState.RUNNING for t in trials)
+        if len(measured(self.study)) + running >= self.target:
+            return False
+        failed = [t for t in trials if t.state == TrialState.FAIL and Attr.FAILURE_KIND in t.user_attrs]
+        if len(failed) >= self.max_failures:
+            self.stopped = f"{len(failed)} trials failed (last: {failed[-1].user_attrs.get(Attr.FAILURE)})"
+            return False
+        return True
+
+    def _propose(self, trial: optuna.Trial) -> _Inflight | str:
+        """Turn an asked trial into a plan: a new one to run, or a repeat answered at once.
+        Every write here is idempotent, so a retry after a lost connection repeats it safely."""
+        self.db("starting the trial's heartbeat",
+                lambda: self.storage.optuna.record_heartbeat(self.recorder.trial_id(trial.number)))
+        plan = self.space.plan_from_trial(trial, self.checked.candidates, self.checked.can_detach)
+        key = plan.dumps()
+        trials = self.db("reading the study", lambda: self.study.get_trials(deepcopy=False))
+        earlier = next((t for t in trials if t.user_attrs.get(Attr.PLAN_KEY) == key
+                        and Attr.DUPLICATE_OF not in t.user_attrs and t.number != trial.number
+                        and (t.state in (TrialState.COMPLETE, TrialState.RUNNING)
+                             or t.user_attrs.get(Attr.FAILURE_KIND) == "trial")), None)
+        if earlier is not None:
+            return self.db("answering a repeat", lambda: self.recorder.duplicate(trial, earlier, key))
+        for name, value in ((Attr.PLAN, plan.to_dict()), (Attr.PLAN_KEY, key), (Attr.PLAN_SUMMARY, plan.describe()),
+                            (Attr.MAX_NE_GAP, self.space.max_ne_gap)):
+            self.db("describing the trial", lambda name=name, value=value: trial.set_user_attr(name, value))
+        spec = TrialSpec(trial_number=trial.number, workload=self.space.workload,
+                         workload_args=dict(self.space.workload_args), plan=plan.to_dict(),
+                         budget=dataclasses.asdict(self.space.budget), baseline_ne=self.db(
+                             "reading the baseline cache", self.recorder.baseline_ne))
+        return _Inflight(number=trial.number, plan=plan, key=key, spec=spec)
+
+    def finish(self, handle: TrialHandle, outcome: TrialOutcome) -> None:
+        inf = next(i for i in self.inflight if i.handle is handle)
+        failure = outcome.failure
+        if failure is not None and failure.kind == "infra" and inf.attempts <= MAX_INFRA_RETRIES \
+                and self.stopped is None:
+            inf.attempts += 1
+            inf.handle = None  # resubmitted on the next free (fresh) slot
+            self.emit("retry", f"trial {inf.number}: {failure.reason}; retrying (attempt {inf.attempts})")
+            return
+        received, t0 = time.time(), time.perf_counter()
+        entry = Entry(trial_number=inf.number, plan_key=inf.key, attempts=inf.attempts, outcome=outcome)
+        self.journal.write(entry)  # before the storage: a lost storage must not lose the measurement
+        message = self.db(f"recording trial {inf.number}", lambda: self.recorder.record(
+            inf.number, inf.key, outcome, inf.attempts))
+        self.journal.remove(inf.number)
+        self.inflight.remove(inf)
+        w = outcome.worker
+        if outcome.complete:
+            self.cost["record"].append(time.perf_counter() - t0)
+            self.cost["dispatch"].append(max(0.0, w.started_at - handle.submitted_at) + max(0.0, received - w.finished_at))
+            self.cost["trial"].append(max(0.0, w.finished_at - w.started_at))
+        self.emit("trial", message)
+
+    # -- liveness ------------------------------------------------------------------------------
+
+    def maintain(self) -> None:
+        """Beat for this driver's trials and fail other drivers' stale ones. A storage that
+        does not answer here is not fatal yet (a missed beat only risks our trials being
+        failed later): the next write the job depends on decides, and journals what it holds."""
+        self._beat = time.monotonic()
+
+        def beat() -> None:
+            for inf in self.inflight:
+                self.storage.optuna.record_heartbeat(self.recorder.trial_id(inf.number))
+            fail_stale_trials(self.study)
+            # A trial asked by a driver that died before its first heartbeat has no heartbeat
+            # for Optuna to find stale, and no plan: fail it once it is older than the grace.
+            grace = dt.timedelta(seconds=self.storage.optuna.grace_period or 2 * HEARTBEAT_S)
+            now = dt.datetime.now()
+            for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+                if Attr.PLAN_KEY not in t.user_attrs and t.datetime_start and now - t.datetime_start > grace:
+                    with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
+                        self.study.tell(t.number, state=TrialState.FAIL)
+
+        try:
+            self.db("keeping heartbeats", beat)
+        except StorageLost as e:
+            log.warning("%s (continuing: the next result decides)", e)
+
+    def finished(self) -> bool:
+        """The study holds its target (or this driver stopped) and nothing is RUNNING anywhere."""
+        running = self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        enough = len(measured(self.study)) >= self.target or self.stopped is not None
+        return enough and not running
+
+    def abort(self, reason: str) -> None:
+        """Cancel this driver's trials and fail them in the study, so nothing stays RUNNING."""
+        for inf in self.inflight:
+            if inf.handle is not None:
+                self.executor.cancel(inf.handle, reason)
+            try:
+                self.study.tell(inf.number, state=TrialState.FAIL)
+            except Exception:  # noqa: BLE001 - the storage may be what failed
+                pass
+        self.inflight.clear()
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def db(self, what: str, fn: Callable[[], object]) -> object:
+        return retrying(what, fn, url=self.storage.url, parsed=self.storage.parsed)
+
+    def overhead(self) -> dict[str, float]:
+        """Mean seconds per measured trial of each cost, and the whole overhead as a fraction of
+        trial time (worker start-up counted too: once per slot, amortised over its trials)."""
+        out = {k: (sum(v) / len(v) if v else 0.0) for k, v in self.cost.items()}
+        n = len(self.cost["trial"])
+        out["worker_start"] = sum(self.executor.worker_start_s) / n if n else 0.0
+        out["trials"] = float(n)
+        spent = out["ask"] + out["record"] + out["dispatch"] + out["worker_start"]
+        out["fraction"] = spent / out["trial"] if out["trial"] else 0.0
+        return out
+
+    def counts(self) -> tuple[int, int]:
+        trials = self.study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
+        return len(measured(self.study)), sum(Attr.FAILURE_KIND in t.user_attrs for t in trials)
+
+    def emit(self, event: str, message: str) -> None:
+        done, failed = self.counts()
+        front = pareto_front(self.study, self.space.max_ne_gap)
+        elapsed = time.monotonic() - self.started
+        left = max(0, self.target - done)
+        trial_s = self.cost["trial"]
+        mean = sum(trial_s) / len(trial_s) if trial_s else None
+        eta = None if mean is None else mean * left / max(1, self.executor.slots)
+        self.on_progress(Progress(event=event, message=message, done=done, failed=failed,
+                                  running=len(self.inflight), target=self.target, elapsed_s=elapsed, eta_s=eta,
+                                  best=front[0] if front else None))

@@ -1,0 +1,138 @@
+"""Recording an outcome: the study learns the objectives, erase-tune's tables the raw data.
+
+Each fact is stored once. The Optuna trial gets the objective values, the NE constraint
+(system attribute ``constraints``) and the flat metric attributes that the dashboard,
+``status``, ``export`` and the report read; ``et_trial_outcomes`` gets what a worker sent
+beyond those numbers (per-step samples with their windows, provenance, the failure's
+traceback). A baseline NE measured by a trial goes to the baseline cache, which later
+trials (and a resumed job) reuse instead of training the baseline again.
+
+Recording is idempotent: replaying an outcome (from the journal, after a lost storage) for
+a trial that is already finished only completes what is missing; for a trial that was
+failed as stale meanwhile, the measurement is added to the study as a new trial.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from erase_tune.store import Job, baseline_key
+from erase_tune.store.storage import Storage
+from erase_tune.tune.outcome import Failure, TrialOutcome
+from erase_tune.tune.space import SearchSpace
+from erase_tune.tune.study import CONSTRAINTS, Attr, metric_attrs, objective_values
+
+__all__ = ["Recorder"]
+
+
+class Recorder:
+    """Writes outcomes of one job's trials (see the module docstring)."""
+
+    def __init__(self, *, study: optuna.Study, storage: Storage, job: Job, space: SearchSpace) -> None:
+        self.study, self.storage, self.job, self.space = study, storage, job, space
+        self._study_id = storage.optuna.get_study_id_from_name(study.study_name)
+        self.env: tuple[str, str] | None = None
+        """(device name, torch version) of the last measured trial: the baseline cache's key."""
+        latest = storage.store.latest_provenance(job)
+        if latest is not None and latest.get("device_name"):
+            self.env = (str(latest["device_name"]), str(latest.get("torch")))
+
+    def trial_id(self, number: int) -> int:
+        return self.storage.optuna.get_trial_id_from_study_id_trial_number(self._study_id, number)
+
+    def baseline_ne(self) -> float | None:
+        """The cached baseline NE for this job's workload, budget and device, if any."""
+        if self.env is None:
+            return None
+        entry = self.storage.store.get_baseline(self._baseline_key())
+        return None if entry is None else entry.metrics.get("ne_baseline")
+
+    def record(self, number: int, plan_key: str, outcome: TrialOutcome, attempts: int) -> str:
+        """Store one outcome; returns the progress line for it."""
+        attrs: dict[str, Any] = {Attr.ATTEMPTS: attempts, Attr.NODE: outcome.worker.node}
+        values: list[float] | None = None
+        failure = outcome.failure
+        result = outcome.result
+        if result is not None:
+            metrics = metric_attrs(result)
+            values = objective_values(metrics, self.space.gain_over)
+            if not all(math.isfinite(v) for v in values):
+                values, failure = None, Failure(kind="trial", reason=f"non-finite objectives {values}")
+        if values is not None and result is not None:
+            prov = dict(result.provenance)
+            attrs.update(metric_attrs(result))
+            attrs.update({Attr.DEVICE: prov.get("device_name"), Attr.DURATION: result.duration_s,
+                          Attr.MAX_NE_GAP: self.space.max_ne_gap,
+                          Attr.FEASIBLE: values[1] <= self.space.max_ne_gap})
+            self.env = (str(prov.get("device_name")), str(prov.get("torch")))
+            if not prov.get("baseline_ne_cached"):
+                self.storage.store.put_baseline(self._baseline_key(), {"ne_baseline": result.ne_baseline},
+                                                {"baseline": result.variants["baseline"].steps_s})
+            message = (f"trial {number}: gain {values[0]:+.2%}, NE gap {values[1]:+.2%} "
+                       f"({result.plan.describe()}; {result.duration_s:.0f}s on {prov.get('device_name', '?')})")
+        else:
+            assert failure is not None
+            attrs.update({Attr.FAILURE_KIND: failure.kind, Attr.FAILURE: failure.reason})
+            message = f"trial {number}: FAILED ({failure.kind}): {failure.reason}"
+        self._finish(number, values, attrs)
+        self.storage.store.record_outcome(
+            self.job, number, plan_yaml=plan_key, status="complete" if values is not None else "failed",
+            failure_kind=None if values is not None else failure.kind,
+            failure_reason=None if values is not None else failure.reason,
+            traceback=None if values is not None else failure.traceback, attempts=attempts, node=outcome.worker.node,
+            samples={k: {"steps_s": list(v.steps_s), "window": list(v.window)} for k, v in result.variants.items()}
+            if result is not None else {},
+            provenance=dict(result.provenance) if result is not None else {"pid": outcome.worker.pid},
+        )
+        return message
+
+    def duplicate(self, trial: optuna.Trial, earlier: FrozenTrial, plan_key: str) -> str:
+        """A plan already measured (or being measured, or failed) by another trial: answer
+        from it without running. Repeats of measured plans inform the sampler and count for
+        nothing; repeats of running or failed ones are failed trials marked as repeats."""
+        trial.set_user_attr(Attr.PLAN_KEY, plan_key)
+        trial.set_user_attr(Attr.DUPLICATE_OF, earlier.number)
+        if earlier.state == TrialState.COMPLETE and earlier.values is not None:
+            self.storage.optuna.set_trial_system_attr(self.trial_id(trial.number), CONSTRAINTS,
+                                                      [earlier.values[1] - self.space.max_ne_gap])
+            self.study.tell(trial, earlier.values)
+            return f"trial {trial.number}: same plan as trial {earlier.number}, not run again"
+        what = "running" if earlier.state == TrialState.RUNNING else "failed"
+        trial.set_user_attr(Attr.FAILURE, f"same plan as trial {earlier.number} ({what})")
+        self.study.tell(trial, state=TrialState.FAIL)
+        return f"trial {trial.number}: same plan as trial {earlier.number} ({what}), not run"
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _finish(self, number: int, values: list[float] | None, attrs: dict[str, Any]) -> None:
+        rdb = self.storage.optuna
+        tid = self.trial_id(number)
+        frozen = rdb.get_trial(tid)
+        attrs = {k: v for k, v in attrs.items() if v is not None}
+        if frozen.state == TrialState.RUNNING:
+            for key, value in attrs.items():
+                rdb.set_trial_user_attr(tid, key, value)
+            if values is not None:
+                rdb.set_trial_system_attr(tid, CONSTRAINTS, [values[1] - self.space.max_ne_gap])
+                self.study.tell(number, values)
+            else:
+                self.study.tell(number, state=TrialState.FAIL)
+        elif frozen.state == TrialState.FAIL and values is not None:
+            # Failed as stale while the storage was away: keep the measurement as a new trial.
+            self.study.add_trial(optuna.trial.create_trial(
+                params=frozen.params, distributions=frozen.distributions, values=values,
+                user_attrs={**frozen.user_attrs, **attrs, "replayed_from": number},
+                system_attrs={CONSTRAINTS: [values[1] - self.space.max_ne_gap]}))
+
+    def _baseline_key(self) -> str:
+        assert self.env is not None
+        args = {**dict(self.space.workload_args), "_budget": dataclasses.asdict(self.space.budget)}
+        if self.space.gpus_per_trial > 1:  # k ranks train on k times the data: another baseline NE
+            args["_ranks"] = self.space.gpus_per_trial
+        return baseline_key(self.space.workload, args, self.env[0], self.env[1])
+

@@ -1,0 +1,120 @@
+"""Sampler efficiency by replay: real Optuna studies whose trials are answered from a table of
+plans measured on a GPU, looked up by canonical plan.
+
+Comparing samplers needs many studies (samplers × seeds × dozens of trials); running each
+trial on an H200 would cost hours. Instead every plan of a finite search space is measured
+once on the GPU (``scripts/measure_replay_table.py``) and the studies run on a CPU, each
+proposal answered with its plan's measured (QPS gain, NE gap). The studies are real (the
+space's own conditional ``plan_from_trial``, the NE budget as Optuna's constraint, repeats of
+a measured plan answered without counting, as the driver does); only the measurement is
+replayed, and every result says so (``ReplayTable.provenance``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import optuna
+
+from erase_tune.errors import EraseTuneError
+from erase_tune.runtime import ErasePlan
+from erase_tune.tune.hypervolume import hypervolume_history
+from erase_tune.tune.space import Guard, SearchSpace
+from erase_tune.tune.study import DIRECTIONS, make_sampler
+
+__all__ = ["ReplayTable", "replay_study", "ReplayRun", "space_plans"]
+
+
+def space_plans(space: SearchSpace, candidates: Sequence[str], can_detach: Guard | None = None) -> list[ErasePlan]:
+    """Every distinct canonical plan of a finite space (one choice of stream per candidate:
+    ``streams: round_robin``; a fixed λ; one dispatch and one whole-step-graph choice)."""
+    if space.streams != "round_robin" or space.aux_weight[0] != space.aux_weight[1] or len(space.dispatch) > 1 \
+            or len(space.whole_step_graph) > 1 or len(space.graph) > 1:
+        raise EraseTuneError(f"{space.source}: not a finite space (needs streams: round_robin, a fixed aux_weight, "
+                             "one dispatch, one graph and one whole_step_graph choice)")
+    out: dict[str, ErasePlan] = {}
+    for modes in itertools.product(space.modes, repeat=len(candidates)):
+        params: dict[str, Any] = {"whole_step_graph": space.whole_step_graph[0], "dispatch": space.dispatch[0]}
+        for c, m in zip(candidates, modes):
+            params[f"{c}.mode"] = params[f"{c}.mode_upstream"] = m
+        try:
+            plan = space.plan_from_trial(optuna.trial.FixedTrial(params), candidates, can_detach)
+        except ValueError:  # a choice the space does not offer there (detach guarded upstream)
+            continue
+        out.setdefault(plan.canonical().dumps(), plan.canonical())
+    return list(out.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayTable:
+    """Measured ``(qps_gain, ne_gap)`` of each plan of a space, by canonical plan (YAML)."""
+
+    points: Mapping[str, tuple[float, float]]
+    provenance: Mapping[str, Any]
+    """Where, when and how the table was measured (device, versions, workload, budget)."""
+
+    @classmethod
+    def load(cls, path: str | Path) -> ReplayTable:
+        try:
+            data = json.loads(Path(path).read_text())
+            points = {p["plan"]: (float(p["qps_gain"]), float(p["ne_gap"])) for p in data["plans"]}
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise EraseTuneError(f"{path}: not a replay table ({e})") from None
+        return cls(points=points, provenance=dict(data.get("provenance") or {}))
+
+    def lookup(self, plan: ErasePlan) -> tuple[float, float]:
+        key = plan.canonical().dumps()
+        if key not in self.points:
+            raise EraseTuneError(f"the replay table has no measurement of the plan {plan.describe()!r}: it does not "
+                                 "cover this search space")
+        return self.points[key]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReplayRun:
+    sampler: str
+    seed: int
+    points: tuple[tuple[float, float], ...]
+    """(QPS gain, NE gap) of each measured (non-repeated) plan, in the order proposed."""
+    hypervolume: tuple[float, ...]
+    """Hypervolume within the NE budget after each measured plan."""
+    proposals: int
+    """Trials asked in all, repeats included."""
+
+
+def replay_study(space: SearchSpace, candidates: Sequence[str], table: ReplayTable, *, sampler: str, seed: int,
+                 trials: int, can_detach: Guard | None = None, max_proposals: int | None = None) -> ReplayRun:
+    """Run one study of ``trials`` measured plans against ``table`` (see the module docstring).
+    The space's seed plans are enqueued first, as ``erase-tune start`` does."""
+    optuna.logging.set_verbosity(logging.WARNING)
+    study = optuna.create_study(directions=list(DIRECTIONS), sampler=make_sampler(sampler, seed))
+    for _name, plan in space.seeds:
+        from erase_tune.tune.space import plan_params
+
+        study.enqueue_trial(plan_params(space, plan, candidates, can_detach))
+    seen: dict[str, tuple[float, float]] = {}
+    points: list[tuple[float, float]] = []
+    proposals = 0
+    limit = max_proposals or 50 * trials
+    while len(points) < trials and proposals < limit:
+        trial = study.ask()
+        proposals += 1
+        plan = space.plan_from_trial(trial, candidates, can_detach)
+        key = plan.canonical().dumps()
+        gain, gap = seen.get(key) or table.lookup(plan)
+        if not (math.isfinite(gain) and math.isfinite(gap)):
+            raise EraseTuneError(f"the replay table holds a non-finite measurement for {plan.describe()!r}")
+        trial.set_constraint("ne_gap", gap - space.max_ne_gap)
+        study.tell(trial, [gain, gap])
+        if key not in seen:
+            seen[key] = (gain, gap)
+            points.append((gain, gap))
+    return ReplayRun(sampler=sampler, seed=seed, points=tuple(points),
+                     hypervolume=tuple(hypervolume_history(points, space.max_ne_gap)), proposals=proposals)

@@ -1,0 +1,227 @@
+"""Reading a search-space file: the schema, checked field by field, with bounds.
+
+Every field is checked for type and range before anything uses it, and every message is
+one line naming the field (the caller prefixes the file); values are shown with
+:func:`~erase_tune.errors.shown`, so a megabyte-long string cannot flood it. Sizes that
+reach memory or time are bounded here (stream counts, candidate counts, trial counts,
+seeds), so a careless or hostile file is refused in milliseconds instead of failing deep
+inside numpy or a trial. An absent field or ``null`` takes the default; any other value of
+the wrong type (``seeds: 0``, ``budget: false``) is an error, not an empty default.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from erase_tune.confirm import GAIN_OVER
+from erase_tune.errors import EraseTuneError, PlanError, shown
+from erase_tune.runtime import DISPATCH_MODES, Cut, ErasePlan
+from erase_tune.runtime.plan import MAX_STREAMS, MAX_TARGETS
+from erase_tune.trial import MAX_STEPS, Budget
+from erase_tune.tune.study import METRIC_NAMES, SAMPLERS
+
+__all__ = ["parse", "MAX_TRIALS", "MAX_SEED", "STREAMS"]
+
+MAX_TRIALS = 100_000
+MAX_SEED = 2**32 - 1
+"""numpy's seed range: a larger sampler seed would fail only after the study was written."""
+_TOP = {"workload", "cuts", "objectives", "gain_over", "max_ne_gap", "sampler", "budget", "trials", "seed", "device",
+        "seeds", "gpus_per_trial"}
+MAX_GPUS_PER_TRIAL = 64
+"""Most ranks one data-parallel trial may ask for (all on one node)."""
+_CUTS = {"candidates", "modes", "max_streams", "streams", "dispatch", "graph", "whole_step_graph",
+         "find_unused_parameters", "aux_weight"}
+STREAMS = ("searched", "round_robin")
+"""``searched``: each placed or detached candidate's stream is a search parameter.
+``round_robin``: candidate i always runs on side stream 1 + i % max_streams (fewer plans)."""
+
+
+class _Error(EraseTuneError, ValueError):
+    pass
+
+
+def parse(data: Any, base: Path) -> dict[str, Any]:
+    """The keyword arguments of a :class:`~erase_tune.tune.space.SearchSpace` (but source and text)."""
+    data = _mapping(data, "", "a search space")
+    _known(data, _TOP, "")
+    wl = data.get("workload")
+    if isinstance(wl, str):
+        wl = {"name": wl}
+    wl = _mapping(wl, "workload", "{name, args}")
+    _known(wl, {"name", "args", "working_dir", "py_modules"}, "workload.")
+    if not isinstance(wl.get("name"), str) or not wl["name"].strip():
+        raise _Error("workload.name: required (ctr, gpt, mlp or package.module:factory)")
+    args = _mapping(_or(wl.get("args"), {}), "workload.args", "a mapping of argument names to values")
+    working_dir = None if wl.get("working_dir") is None else _path(wl["working_dir"], "workload.working_dir", base)
+    py_modules = _or(wl.get("py_modules"), [])
+    if not isinstance(py_modules, list):
+        raise _Error("workload.py_modules: must be a list of package directories")
+    py_modules = [_path(p, f"workload.py_modules[{i}]", base) for i, p in enumerate(py_modules)]
+
+    cuts = _mapping(_or(data.get("cuts"), {}), "cuts", "a mapping")
+    _known(cuts, _CUTS, "cuts.")
+    candidates = _or(cuts.get("candidates"), [])
+    if not isinstance(candidates, list) or not all(isinstance(c, str) and c for c in candidates):
+        raise _Error("cuts.candidates: must be a list of module names (or runs like blocks.0:2)")
+    if len(candidates) > MAX_TARGETS:
+        raise _Error(f"cuts.candidates: {len(candidates)} candidates; at most {MAX_TARGETS}")
+    if len(set(candidates)) != len(candidates):
+        raise _Error("cuts.candidates: lists a module twice")
+    for c in candidates:
+        try:
+            Cut(module=c)
+        except PlanError as e:
+            raise _Error(f"cuts.candidates: {e}") from None
+    max_streams = _int(cuts.get("max_streams", 4), "cuts.max_streams", 0, MAX_STREAMS)
+    modes = _choices(cuts.get("modes", ["keep", "place", "detach"] if max_streams else ["keep", "detach"]),
+                     "cuts.modes", ("keep", "place", "detach"))
+    if "place" in modes and not max_streams:
+        raise _Error("cuts.modes: place needs side streams (cuts.max_streams >= 1)")
+    streams = cuts.get("streams", "searched")
+    if streams not in STREAMS:
+        raise _Error(f"cuts.streams: {shown(streams)} is not one of {', '.join(STREAMS)}")
+    dispatch = _choices(cuts.get("dispatch", ["blocking", "threaded"]), "cuts.dispatch", DISPATCH_MODES)
+    graph = _bools(cuts.get("graph", [False]), "cuts.graph")
+    whole = _bools(cuts.get("whole_step_graph", [False]), "cuts.whole_step_graph")
+    fup = _bools(cuts.get("find_unused_parameters", [False]), "cuts.find_unused_parameters")
+    aux = cuts.get("aux_weight", {"low": 1.0, "high": 1.0})
+    if isinstance(aux, (int, float)) and not isinstance(aux, bool):
+        aux = {"low": aux, "high": aux}
+    aux = _mapping(aux, "cuts.aux_weight", "a number or {low, high, log}")
+    _known(aux, {"low", "high", "log"}, "cuts.aux_weight.")
+    low, high = _float(aux.get("low"), "cuts.aux_weight.low"), _float(aux.get("high"), "cuts.aux_weight.high")
+    log = aux.get("log", False)
+    if not isinstance(log, bool):
+        raise _Error("cuts.aux_weight.log: must be true or false")
+    if not 0 < low <= high <= 1e6:
+        raise _Error(f"cuts.aux_weight: need 0 < low <= high <= 1e6, got low={low}, high={high}")
+
+    objectives = data.get("objectives", list(METRIC_NAMES))
+    if not isinstance(objectives, list) or objectives != list(METRIC_NAMES):
+        raise _Error(f"objectives: must be {list(METRIC_NAMES)} (maximize qps_gain, minimize ne_gap)")
+    gain_over = data.get("gain_over", "eager")
+    if gain_over not in GAIN_OVER:
+        raise _Error(f"gain_over: {shown(gain_over)} is not one of {', '.join(GAIN_OVER)}")
+    device = data.get("device", "auto")
+    if device not in ("auto", "cpu", "cuda"):
+        raise _Error(f"device: {shown(device)} is not one of auto, cpu, cuda")
+    if gain_over == "graph" and device == "cpu":
+        raise _Error("gain_over: graph needs CUDA (the graph baseline does not exist on the CPU); use eager")
+    gpus_per_trial = _int(data.get("gpus_per_trial", 1), "gpus_per_trial", 1, MAX_GPUS_PER_TRIAL)
+    max_ne_gap = _float(data.get("max_ne_gap", 0.02), "max_ne_gap")
+    if not 0 <= max_ne_gap <= 100:
+        raise _Error(f"max_ne_gap: {max_ne_gap} must be between 0 and 100")
+
+    sampler = data.get("sampler", "front")
+    if isinstance(sampler, str):
+        sampler = {"name": sampler}
+    sampler = _mapping(sampler, "sampler", "a name or {name, seed}")
+    _known(sampler, {"name", "seed"}, "sampler.")
+    if sampler.get("name") not in SAMPLERS:
+        raise _Error(f"sampler.name: {shown(sampler.get('name'))} is not one of {', '.join(SAMPLERS)}")
+    sampler_seed = sampler.get("seed")
+    if sampler_seed is not None:
+        sampler_seed = _int(sampler_seed, "sampler.seed", 0, MAX_SEED)
+
+    b = _mapping(_or(data.get("budget"), {}), "budget", "a mapping")
+    _known(b, {"warmup_steps", "windows", "window_steps", "quality_steps", "timeout_s"}, "budget.")
+    seed = _int(data.get("seed", 0), "seed", 0, MAX_SEED)
+    steps = {k: _int(v, f"budget.{k}", 0, MAX_STEPS) for k, v in b.items() if k != "timeout_s"}
+    budget = Budget(**steps, seed=seed)
+    timeout_s = _float(b.get("timeout_s", 600), "budget.timeout_s")
+    if not 0 < timeout_s <= 7 * 86400:
+        raise _Error("budget.timeout_s: must be > 0 and at most a week")
+
+    raw_seeds = _or(data.get("seeds"), [])
+    if not isinstance(raw_seeds, list):
+        raise _Error("seeds: must be a list of {name, plan}")
+    seeds = []
+    for i, s in enumerate(raw_seeds):
+        if not isinstance(s, Mapping) or "plan" not in s:
+            raise _Error(f"seeds[{i}]: must be {{name, plan}}")
+        _known(s, {"name", "plan"}, f"seeds[{i}].")
+        name = s.get("name", f"seed-{i}")
+        if not isinstance(name, str) or not name.strip():
+            raise _Error(f"seeds[{i}].name: {shown(name)} must be a non-empty string")
+        try:
+            plan = ErasePlan.from_dict(_or(s["plan"], {}))
+        except PlanError as e:
+            raise _Error(f"seeds[{i}].plan.{e}") from None
+        seeds.append((name, plan.canonical()))
+
+    return dict(
+        workload=wl["name"], workload_args=dict(args), candidates=tuple(candidates), modes=modes,
+        max_streams=max_streams, streams=streams, dispatch=dispatch, graph=graph, whole_step_graph=whole, find_unused_parameters=fup,
+        aux_weight=(low, high, log), max_ne_gap=max_ne_gap, gain_over=gain_over, sampler=sampler["name"],
+        sampler_seed=sampler_seed, budget=budget, timeout_s=timeout_s,
+        trials=_int(data.get("trials", 24), "trials", 1, MAX_TRIALS), seed=seed, device=device, seeds=tuple(seeds),
+        gpus_per_trial=gpus_per_trial,
+        working_dir=working_dir, py_modules=tuple(py_modules),
+    )
+
+
+def _or(value: Any, default: Any) -> Any:
+    """``default`` for an absent or null field; any other value as it is, to be checked."""
+    return default if value is None else value
+
+
+def _mapping(value: Any, name: str, what: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise _Error(f"{name or 'the file'}: must be {what}, got {type(value).__name__}")
+    bad = next((k for k in value if not isinstance(k, str)), None)
+    if bad is not None:
+        raise _Error(f"{name + '.' if name else ''}{shown(bad)}: field names must be strings")
+    return value
+
+
+def _known(data: Mapping, known: set[str], prefix: str) -> None:
+    unknown = sorted(k for k in data if k not in known)
+    if unknown:
+        raise _Error(f"{prefix}{shown(unknown[0])}: unknown field (fields are: {', '.join(sorted(known))})")
+
+
+def _int(value: Any, name: str, minimum: int, maximum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        huge = isinstance(value, int) and abs(value) >= 10**12
+        raise _Error(f"{name}: {'a huge integer' if huge else shown(value)} must be an integer in {minimum}..{maximum}")
+    return value
+
+
+def _float(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _Error(f"{name}: {shown(value)} must be a finite number")
+    try:
+        value = float(value)
+    except OverflowError:
+        raise _Error(f"{name}: must be a finite number") from None
+    if not math.isfinite(value):
+        raise _Error(f"{name}: {shown(value)} must be a finite number")
+    return value
+
+
+def _path(value: Any, name: str, base: Path) -> str:
+    if not isinstance(value, str) or not value or "\0" in value:
+        raise _Error(f"{name}: {shown(value)} must be a directory path")
+    return str((base / value).resolve())
+
+
+def _bools(value: Any, name: str) -> tuple[bool, ...]:
+    if isinstance(value, bool):
+        value = [value]
+    if not isinstance(value, list) or not value or not all(isinstance(v, bool) for v in value):
+        raise _Error(f"{name}: must be true, false, or a list of them")
+    return tuple(dict.fromkeys(value))
+
+
+def _choices(value: Any, name: str, allowed: Sequence[str]) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise _Error(f"{name}: must be a non-empty list from {', '.join(allowed)}")
+    for v in value:
+        if v not in allowed:
+            raise _Error(f"{name}: {shown(v)} is not one of {', '.join(allowed)}")
+    return tuple(dict.fromkeys(value))

@@ -1,0 +1,160 @@
+"""``erase-tune status``: a job, its Pareto front, confirmations and exports; or one trial.
+
+Everything shown is read from where it is stored once: the trials and their metrics from
+the Optuna study, the job, confirmations, exports and a trial's raw samples, traceback and
+provenance from erase-tune's tables. Without ``--study`` on a storage that holds several
+jobs, the jobs are listed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from optuna.trial import TrialState
+
+from erase_tune.errors import EraseTuneError, shown
+from erase_tune.store import Confirmation, Export, Job, StoredOutcome, default_storage_url
+from erase_tune.store.storage import open_storage
+from erase_tune.tune.export import load_study
+from erase_tune.tune.study import Attr, FrontPoint, pareto_front
+
+__all__ = ["JobStatus", "TrialDetail", "job_status", "trial_detail", "list_jobs"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class JobStatus:
+    study_name: str
+    storage: str
+    job: Job | None
+    workload: dict[str, Any] | None
+    max_ne_gap: float | None
+    gain_over: str
+    counts: dict[str, int]
+    """Trials by state; ``REPEAT`` counts proposals answered from an earlier trial."""
+    front: list[FrontPoint]
+    front_all: list[FrontPoint]
+    failures: list[tuple[int, str, str]]
+    """(trial, kind, reason) of failed trials."""
+    confirmations: list[Confirmation]
+    exports: list[Export]
+
+    def table(self) -> str:
+        c = self.counts
+        lines = [f"study {self.study_name} in {self.storage}: job {self.job.status if self.job else 'unknown'}",
+                 f"trials: {c.get('COMPLETE', 0)} measured, {c.get('RUNNING', 0)} running, {c.get('FAIL', 0)} failed, "
+                 f"{c.get('REPEAT', 0)} repeats" + (f"; NE-gap budget {self.max_ne_gap:.2%}" if self.max_ne_gap
+                                                     is not None else "")]
+        rows = self.front or self.front_all
+        lines.append(("Pareto front within the NE budget" if self.front else
+                      "Pareto front (no trial within the NE budget)") + ":")
+        lines.append(f"  (QPS gain is p90 over the {self.gain_over} baseline; detach only = the same cuts without"
+                     " early launch, over eager)")
+        lines.append(f"  {'trial':>5} {'QPS gain':>9} {'NE gap':>8} {'vs eager':>9} {'vs graph':>9} "
+                     f"{'detach only':>11} {'confirmed':>24}  plan")
+        confirmed = {x.trial_number: x for x in self.confirmations}
+        for p in rows:
+            conf = confirmed.get(p.number)
+            shown = f"{conf.gain:+.2%} [{conf.gain_lo:+.1%},{conf.gain_hi:+.1%}]" if conf else "-"
+            lines.append(f"  {p.number:>5} {p.qps_gain:>+9.2%} {p.ne_gap:>+8.2%} {_pct(p.gain_vs_eager):>9} "
+                         f"{_pct(p.gain_vs_graph):>9} {_pct(p.gain_detach_only):>11} {shown:>24}  "
+                         f"{p.user_attrs.get(Attr.PLAN_SUMMARY, '')}")
+        if not rows:
+            lines.append("  (no measured trials yet)")
+        for number, kind, reason in self.failures[-5:]:
+            lines.append(f"  failed trial {number} ({kind}): {reason}")
+        for e in self.exports[-3:]:
+            lines.append(f"  exported trial {e.trial_number} to {e.path} at {e.created_at:%Y-%m-%d %H:%M} UTC")
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrialDetail:
+    number: int
+    state: str
+    values: list[float] | None
+    attrs: dict[str, Any]
+    outcome: StoredOutcome | None
+
+    def table(self) -> str:
+        lines = [f"trial {self.number}: {self.state}" + (f", QPS gain {self.values[0]:+.2%}, NE gap "
+                                                         f"{self.values[1]:+.2%}" if self.values else "")]
+        for key in sorted(self.attrs):
+            if key not in (Attr.PLAN, Attr.PLAN_KEY):
+                lines.append(f"  {key}: {self.attrs[key]}")
+        o = self.outcome
+        if o is None:
+            lines.append("  (no stored outcome: running, a repeat, or its driver stopped)")
+            return "\n".join(lines)
+        lines.append(f"  attempts: {o.attempts}; node: {o.node}")
+        for variant, s in o.samples.items():
+            steps = [x for x in s.get("steps_s", []) if x]
+            if steps:
+                lines.append(f"  samples {variant}: {len(steps)} steps, {min(steps) * 1e3:.2f}-{max(steps) * 1e3:.2f} ms"
+                             f" per step, windows {sorted(set(s.get('window') or []))}")
+        for key in ("device_name", "torch", "cuda", "hostname", "date_utc", "training_steps"):
+            if key in o.provenance:
+                lines.append(f"  {key}: {o.provenance[key]}")
+        if o.traceback:
+            lines.append("  traceback:")
+            lines.extend("    " + line for line in o.traceback.rstrip().splitlines())
+        return "\n".join(lines)
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.1%}"
+
+
+def job_status(storage: str | None, study_name: str | None) -> JobStatus:
+    db = open_storage(storage if storage is not None else default_storage_url(), must_exist=True, upgrade=False)
+    try:
+        study = load_study(db, study_name)
+        budget = study.user_attrs.get(Attr.MAX_NE_GAP)
+        counts: dict[str, int] = {}
+        failures = []
+        for t in study.get_trials(deepcopy=False):
+            state = "REPEAT" if Attr.DUPLICATE_OF in t.user_attrs else t.state.name
+            counts[state] = counts.get(state, 0) + 1
+            if t.state == TrialState.FAIL and state != "REPEAT":
+                failures.append((t.number, str(t.user_attrs.get(Attr.FAILURE_KIND, "stale")),
+                                 str(t.user_attrs.get(Attr.FAILURE, "its driver stopped (no heartbeat)"))))
+        job = _job(db, study.study_name)
+        return JobStatus(
+            study_name=study.study_name, storage=db.url, job=job, workload=study.user_attrs.get(Attr.WORKLOAD),
+            max_ne_gap=budget, gain_over=study.user_attrs.get(Attr.GAIN_OVER, "eager"), counts=counts,
+            front=pareto_front(study, budget) if budget is not None else pareto_front(study),
+            front_all=pareto_front(study), failures=failures,
+            confirmations=db.store.confirmations(job) if job else [], exports=db.store.exports(job) if job else [])
+    finally:
+        db.close()
+
+
+def trial_detail(storage: str | None, study_name: str | None, number: int) -> TrialDetail:
+    db = open_storage(storage if storage is not None else default_storage_url(), must_exist=True, upgrade=False)
+    try:
+        study = load_study(db, study_name)
+        trials = {t.number: t for t in study.get_trials(deepcopy=False)}
+        if number not in trials:
+            raise EraseTuneError(f"--trial: study {shown(study.study_name)} has no trial {number} "
+                                 f"(trials 0..{max(trials, default=-1)})")
+        t = trials[number]
+        job = _job(db, study.study_name)
+        return TrialDetail(number=number, state=t.state.name, values=t.values, attrs=dict(t.user_attrs),
+                           outcome=db.store.outcome(job, number) if job else None)
+    finally:
+        db.close()
+
+
+def list_jobs(storage: str | None) -> list[Job]:
+    db = open_storage(storage if storage is not None else default_storage_url(), must_exist=True, upgrade=False)
+    try:
+        return db.store.list_jobs()
+    finally:
+        db.close()
+
+
+def _job(db: Any, name: str) -> Job | None:
+    try:
+        return db.store.get_job(name)
+    except EraseTuneError:  # a bare Optuna study, or a database erase-tune never migrated
+        return None

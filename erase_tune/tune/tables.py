@@ -1,0 +1,68 @@
+"""Text the CLI prints: a trial's table, a job's progress line and its closing summary.
+
+Kept apart from the commands so that the CLI stays a table of thin calls and the wording
+lives in one place.
+"""
+
+from __future__ import annotations
+
+from erase_tune.trial import TrialResult
+from erase_tune.tune.job import JobSummary
+from erase_tune.tune.loop import Progress
+
+__all__ = ["trial_table", "progress_line", "start_summary", "duration"]
+
+
+def duration(seconds: float) -> str:
+    """``1h02m``, ``3m05s`` or ``42s``."""
+    s = int(round(seconds))
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+def trial_table(result: TrialResult) -> str:
+    prov = result.provenance
+    lines = [f"workload {result.workload} (batch {result.batch_size}) on {prov['device_name']}, torch {prov['torch']}",
+             f"plan: {result.plan.describe()}",
+             f"{'variant':<12} {'p90 QPS':>12} {'median QPS':>12} {'gain p90':>9} {'NE':>7}"]
+    base = result.variants["baseline"].p90_qps
+    ne = {"baseline": result.ne_baseline, "candidate": result.ne_candidate}
+    for name, v in result.variants.items():
+        ne_s = f"{ne[name]:.4f}" if name in ne else "-"
+        lines.append(f"{name:<12} {v.p90_qps:>12,.0f} {v.median_qps:>12,.0f} {v.p90_qps / base - 1:>+9.1%} {ne_s:>7}")
+    lo, hi = result.gain_spread
+    lines.append(f"gain p90 {result.gain_p90:+.2%} (median {result.gain_median:+.2%}, per window {lo:+.1%}..{hi:+.1%});"
+                 f" NE gap {result.ne_gap:+.2%}")
+    if result.gain_detach_only is not None:
+        lines.append(f"of which work removed (detach only): {result.gain_detach_only:+.2%}")
+    if result.gain_vs_reference is not None:
+        lines.append(f"vs whole-step-graph baseline: {result.gain_vs_reference:+.2%}")
+    if prov.get("data_passes", 0) > 1:
+        lines.append(f"note: training read its batches {prov['data_passes']:.1f} times (raise the workload's "
+                     "train_batches for one pass; a second pass can over-fit and skew NE)")
+    return "\n".join(lines)
+
+
+def progress_line(p: Progress) -> str:
+    best = (f"best within NE budget {p.best.qps_gain:+.2%} at NE gap {p.best.ne_gap:+.2%} (trial {p.best.number})"
+            if p.best else "no trial within the NE budget yet")
+    eta = f", about {duration(p.eta_s)} left" if p.eta_s is not None and p.done < p.target else ""
+    return (f"{p.message}\n  [{p.done}/{p.target} measured, {p.running} running, {p.failed} failed; "
+            f"{duration(p.elapsed_s)} elapsed{eta}] {best}")
+
+
+def start_summary(s: JobSummary) -> str:
+    o = s.overhead
+    lines = [f"study {s.study_name}: {s.complete} complete, {s.failed} failed" + (f" ({s.stopped})" if s.stopped else "")]
+    if o.get("trials"):
+        lines.append(f"overhead per trial: ask {o['ask']:.3f}s + record {o['record']:.3f}s + Ray dispatch "
+                     f"{o['dispatch']:.3f}s + worker start {o['worker_start']:.2f}s (once per slot, amortised) = "
+                     f"{o['fraction']:.2%} of {o['trial']:.1f}s trial time")
+    if s.front:
+        lines.append("Pareto front within the NE budget (best first): "
+                     + ", ".join(f"trial {p.number} {p.qps_gain:+.2%}/{p.ne_gap:+.2%}" for p in s.front))
+    for number, (gain, lo, hi) in s.confirmed.items():
+        verdict = "confirmed gain" if lo > 0 else "no confirmed gain"
+        lines.append(f"  trial {number} re-measured: {gain:+.2%} [95% interval {lo:+.2%}, {hi:+.2%}]: {verdict}")
+    return "\n".join(lines)

@@ -1,0 +1,59 @@
+"""Several drivers, one study: the target is the study's, no plan is measured twice, and
+schema set-up is safe when drivers start at the same moment on a fresh database."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import optuna
+from optuna.trial import TrialState
+
+from erase_tune.store import Store
+from tests.tune.conftest import ROOT
+from tests.tune.faulty import write_space
+
+
+def _drivers(n: int, argv: list[str], tmp_path) -> list[subprocess.CompletedProcess]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "ERASE_TUNE_JOURNAL_DIR": str(tmp_path / "journal")}
+    procs = [subprocess.Popen([sys.executable, "-m", "erase_tune", *argv], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(n)]
+    return [subprocess.CompletedProcess(p.args, p.wait(timeout=600), *p.communicate()) for p in procs]
+
+
+def test_three_drivers_share_one_postgres_study(pg_url, tmp_path):
+    """3 drivers x 2 trial slots (each its own local Ray), 12 trials, started at once on an
+    empty database: exactly 12 measured, no plan measured twice, unique numbers, every
+    outcome stored."""
+    space = write_space(tmp_path / "many.yaml", cuts={"candidates": ["subarchs.0", "subarchs.1", "subarchs.2",
+                                                                     "subarchs.3"], "max_streams": 1},
+                        sampler={"name": "tpe", "seed": 0}, trials=12)
+    done = _drivers(3, ["start", "--space", str(space), "--study", "many", "--storage", pg_url, "--slots", "2",
+                        "--no-confirm"], tmp_path)
+    for d in done:
+        assert d.returncode == 0, d.stderr[-3000:]
+    trials = optuna.load_study(study_name="many", storage=pg_url).get_trials()
+    assert len({t.number for t in trials}) == len(trials)
+    assert not [t for t in trials if t.state == TrialState.RUNNING]
+    measured = [t for t in trials if t.state == TrialState.COMPLETE and "duplicate_of" not in t.user_attrs]
+    assert len(measured) == 12
+    keys = [t.user_attrs["plan_key"] for t in measured]
+    assert len(set(keys)) == 12, "a plan was measured twice"
+    with Store(pg_url) as store:
+        job = store.get_job("many")
+        assert job.status == "finished"
+        assert all(store.outcome(job, t.number).status == "complete" for t in measured)
+
+
+def test_two_drivers_on_one_sqlite_file(tmp_path):
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    space = write_space(tmp_path / "two.yaml", trials=4)
+    done = _drivers(2, ["start", "--space", str(space), "--study", "two", "--storage", url, "--slots", "1",
+                        "--no-confirm"], tmp_path)
+    for d in done:
+        assert d.returncode == 0, d.stderr[-3000:]
+    trials = optuna.load_study(study_name="two", storage=url).get_trials()
+    measured = [t for t in trials if t.state == TrialState.COMPLETE and "duplicate_of" not in t.user_attrs]
+    assert len(measured) == 4 and len({t.user_attrs["plan_key"] for t in measured}) == 4
+    assert not [t for t in trials if t.state == TrialState.RUNNING]

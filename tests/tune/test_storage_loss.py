@@ -1,0 +1,112 @@
+"""Storage lost mid-job: the driver stops with one line naming the storage (password
+redacted) and exit code 3, its Ray work is cancelled, and the outcomes it measured but
+could not store are kept in the local journal and replayed by the next ``start``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import optuna
+from optuna.trial import TrialState
+from sqlalchemy import create_engine
+from sqlalchemy.engine import make_url
+from sqlalchemy.pool import NullPool
+
+from tests.conftest import PG_ADMIN_URL
+from tests.tune.conftest import ROOT, cli
+from tests.tune.faulty import write_space
+
+
+def _start(argv: list[str], tmp_path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "ERASE_TUNE_JOURNAL_DIR": str(tmp_path / "journal"),
+           "ERASE_TUNE_STORAGE_RETRY_S": "3"}
+    return subprocess.Popen([sys.executable, "-m", "erase_tune", *argv], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _read_only(path, on: bool) -> None:
+    """Make a file read-only for its owner, root included (root ignores permission bits:
+    the immutable attribute binds it too)."""
+    if os.geteuid() == 0:
+        subprocess.run(["chattr", "+i" if on else "-i", str(path)], check=True)
+    else:
+        path.chmod(0o444 if on else 0o644)
+
+
+def _journal(tmp_path) -> list:
+    return sorted((tmp_path / "journal").rglob("trial-*.pkl"))
+
+
+def _wait_for_trials(url: str, study: str, complete: int, within: float = 180) -> None:
+    """Until ``complete`` trials are stored and the next one is running."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            trials = optuna.load_study(study_name=study, storage=url).get_trials()
+            if sum(t.state == TrialState.COMPLETE for t in trials) >= complete and any(
+                    t.state == TrialState.RUNNING for t in trials):
+                return
+        except Exception:  # noqa: BLE001 - the study may not exist yet
+            pass
+        time.sleep(0.3)
+    raise AssertionError(f"{study}: {complete} trials did not complete in {within}s")
+
+
+def test_sqlite_file_made_read_only_mid_job(tmp_path):
+    db = tmp_path / "ro.db"
+    url = f"sqlite:///{db}"
+    space = write_space(tmp_path / "ro.yaml", workload="tests.tune.faulty:workload",
+                        args={"mode": "ok", "train_batches": 64}, budget={"quality_steps": 60, "windows": 3},
+                        trials=6)
+    argv = ["start", "--space", str(space), "--study", "ro", "--storage", url, "--slots", "1", "--no-confirm"]
+    driver = _start(argv, tmp_path)
+    _wait_for_trials(url, "ro", 1)
+    _read_only(db, True)
+    try:
+        out, err = driver.communicate(timeout=180)
+    finally:
+        _read_only(db, False)
+    assert driver.returncode == 3, err[-3000:]
+    lines = [line for line in err.strip().splitlines() if line.startswith("erase-tune: error:")]
+    assert len(lines) == 1 and "storage sqlite:///" in lines[0] and "readonly" in lines[0].replace(" ", "")
+    assert "Traceback" not in err
+    kept = _journal(tmp_path)
+    assert kept, "the measured but unstored outcome is in the journal"
+
+    done = cli(*argv, env={"ERASE_TUNE_JOURNAL_DIR": str(tmp_path / "journal")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not _journal(tmp_path)
+    trials = optuna.load_study(study_name="ro", storage=url).get_trials()
+    assert not [t for t in trials if t.state == TrialState.RUNNING]
+    assert sum(t.state == TrialState.COMPLETE and "duplicate_of" not in t.user_attrs for t in trials) == 6
+
+
+def test_postgres_database_dropped_mid_job(pg_database, tmp_path):
+    name = f"et_drop_{os.getpid()}"
+    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT", poolclass=NullPool)
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}"')
+        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    url = make_url(PG_ADMIN_URL).set(database=name, password="hunter2").render_as_string(hide_password=False)
+    space = write_space(tmp_path / "pg.yaml", workload="tests.tune.faulty:workload",
+                        args={"mode": "ok", "train_batches": 64}, budget={"quality_steps": 60, "windows": 3},
+                        trials=6)
+    driver = _start(["start", "--space", str(space), "--study", "pg", "--storage", url, "--slots", "1",
+                     "--no-confirm"], tmp_path)
+    try:
+        _wait_for_trials(url, "pg", 1)
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP DATABASE "{name}" WITH (FORCE)')
+        out, err = driver.communicate(timeout=180)
+        assert driver.returncode == 3, err[-3000:]
+        lines = [line for line in err.strip().splitlines() if line.startswith("erase-tune: error:")]
+        assert len(lines) == 1 and f"/{name}" in lines[0] and "***" in lines[0]
+        assert "hunter2" not in out + err and "Traceback" not in err
+    finally:
+        driver.kill() if driver.poll() is None else None
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.dispose()
