@@ -1,0 +1,145 @@
+"""Measure every plan of a finite search space once, for replayed sampler studies.
+
+    python scripts/measure_replay_table.py --space search_spaces/ctr-replay.yaml --out table.json \
+        [--shard 0/2] [--group 8] [--arg key=value ...]
+
+The space must be finite: fixed λ (``aux_weight`` a number), ``streams: round_robin``, one
+choice of dispatch and graph flags. Every plan is timed against the space's baseline
+(``gain_over``: the whole-step-graph baseline on a GPU) in groups of ``--group`` plans plus the
+baseline, interleaved in one process (the measurement rules of docs/design.md); its QPS gain
+is the median over windows of the per-window p90-QPS ratio. NE depends only on which
+candidates are detached (a placement changes no gradient, a stream no value), so NE is
+measured once per detached set, trained as long as a trial trains, and every plan with that
+set gets that NE gap. ``--shard i/n`` measures every n-th plan and set (one process per GPU);
+``--merge`` joins shard files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from erase_tune.confirm import baseline_plan
+from erase_tune.measure import provenance, ratio_spread, time_interleaved
+from erase_tune.runtime import ErasePlan
+from erase_tune.runtime.device import resolve_device
+from erase_tune.trial import Budget, Variant, build_engine, jsonable_args, release
+from erase_tune.tune.checks import check_space
+from erase_tune.tune.replay import space_plans
+from erase_tune.tune.space import SearchSpace
+from erase_tune.workloads import get_workload
+
+
+def detached(plan: ErasePlan) -> tuple[str, ...]:
+    return tuple(sorted(c.module for c in plan.cuts))
+
+
+def measure_qps(workload, plans: list[ErasePlan], base: ErasePlan, budget: Budget, group: int, device,
+                save) -> list[dict]:
+    torch.manual_seed(budget.seed)
+    data = workload.make_data(device)
+    init = workload.build_model().to(device)  # engines copy it on the device: no host round trip
+    rows = []
+    for start in range(0, len(plans), group):
+        chunk = plans[start:start + group]
+        runners: dict[str, Variant] = {}
+        t0 = time.perf_counter()
+        try:
+            for name, p in {"baseline": base, **{str(i): p for i, p in enumerate(chunk)}}.items():
+                runners[name] = Variant(plan=p, engine=build_engine(workload, p, init, data, device), data=data)
+            timings = time_interleaved(runners, device=device, warmup_steps=budget.warmup_steps,
+                                       windows=budget.windows, window_steps=budget.window_steps)
+        finally:
+            release(runners.values(), device)
+            runners.clear()
+        for i, p in enumerate(chunk):
+            spread = ratio_spread(timings.variants[str(i)], timings.variants["baseline"], workload.batch_size,
+                                  statistic="p90")
+            rows.append({"plan": p.dumps(), "summary": p.describe(), "detached": list(detached(p)),
+                         "qps_gain": spread.median - 1.0, "window_gains": [r - 1.0 for r in spread.per_window]})
+        print(f"  plans {start}..{start + len(chunk) - 1}: {time.perf_counter() - t0:.1f}s", flush=True)
+        save(rows)  # what is measured survives a time limit
+    return rows
+
+
+def measure_ne(workload, sets: list[tuple[str, ...]], base: ErasePlan, budget: Budget, device) -> dict[str, float]:
+    """Held-out NE after a trial's worth of training, per detached set (the same weights and
+    batches for each)."""
+    from erase_tune.runtime import Cut
+
+    torch.manual_seed(budget.seed)
+    data = workload.make_data(device)
+    init = workload.build_model().to(device)
+    out = {}
+    for s in sets:
+        plan = dataclasses.replace(base, cuts=tuple(Cut(module=m) for m in s))
+        engine = build_engine(workload, plan, init, data, device)
+        try:
+            for step in range(budget.training_steps):
+                inputs, target = data.batch(step)
+                engine.step(inputs, target)
+            out["|".join(s)] = workload.normalized_entropy(engine.model, data)
+        finally:
+            release([Variant(plan=plan, engine=engine, data=data)], device)
+        print(f"  NE {'|'.join(s) or 'no cuts'}: {out['|'.join(s)]:.4f}", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--space", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shard", default="0/1")
+    ap.add_argument("--group", type=int, default=16)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE", help="override a workload argument")
+    ap.add_argument("--merge", nargs="*", help="shard files to join into --out (nothing is measured)")
+    ns = ap.parse_args(argv)
+    if ns.merge:
+        parts = [json.loads(Path(p).read_text()) for p in ns.merge]
+        ne = {k: v for part in parts for k, v in part["ne"].items()}
+        base_ne = ne[""]
+        plans = [dict(r, ne_gap=(ne["|".join(r["detached"])] - base_ne) / base_ne) for part in parts for r in part["qps"]]
+        Path(ns.out).write_text(json.dumps({"provenance": parts[0]["provenance"], "ne": ne, "plans": plans}, indent=1))
+        print(f"{ns.out}: {len(plans)} plans, {len(ne)} detached sets")
+        return 0
+    import yaml
+
+    space = SearchSpace.load(ns.space)
+    overrides = {k: yaml.safe_load(v) for k, _, v in (a.partition("=") for a in ns.arg)}
+    if overrides:
+        space = dataclasses.replace(space, workload_args={**space.workload_args, **overrides})
+    checked = check_space(space)
+    plans = space_plans(space, checked.candidates, checked.can_detach)
+    sets = sorted({detached(p) for p in plans}, key=lambda s: (len(s), s))
+    index, count = (int(x) for x in ns.shard.split("/"))
+    device = resolve_device(ns.device)
+    workload = get_workload(space.workload, space.workload_args)
+    base = baseline_plan(space.gain_over if device.type == "cuda" else "eager")
+    print(f"{len(plans)} plans, {len(sets)} detached sets; shard {index}/{count} on {device}", flush=True)
+    prov = provenance(device, workload=workload.name, workload_args=jsonable_args(workload.args),
+                      budget=dataclasses.asdict(space.budget), space=ns.space, gain_over=space.gain_over,
+                      replay="every plan of the space measured once; NE once per detached set")
+    ne: dict[str, float] = {}
+
+    def save(qps: list[dict]) -> None:
+        Path(ns.out).write_text(json.dumps({"provenance": prov, "qps": qps, "ne": ne}, indent=1))
+
+    mine = sets[index::count]
+    if () not in mine:  # every shard needs the baseline's NE to state gaps
+        mine = [(), *mine]
+    ne.update(measure_ne(workload, mine, base, space.budget, device))
+    qps = measure_qps(workload, plans[index::count], base, space.budget, ns.group, device, save)
+    save(qps)
+    print(f"{ns.out}: {len(qps)} plans, {len(ne)} NE sets", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
