@@ -44,8 +44,13 @@ def _free_port() -> int:
 
 
 def _ray_start(args: list[str], log: Path) -> subprocess.Popen:
+    # Each node's agents on ports of their own: the defaults (52365 and others) are fixed, so a
+    # second node on this host, or a local Ray another test left running, would hold them and
+    # the job server would wait for an agent that never starts.
+    ports = [f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
+             f"--runtime-env-agent-port={_free_port()}", f"--metrics-export-port={_free_port()}"]
     with open(log, "w") as out:
-        return subprocess.Popen([RAY, "start", "--block", "--disable-usage-stats", *args], stdout=out,
+        return subprocess.Popen([RAY, "start", "--block", "--disable-usage-stats", *ports, *args], stdout=out,
                                 stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
 
 
@@ -65,7 +70,7 @@ def two_nodes(tmp_path):
                        "--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}"], tmp_path / "head.log")
     procs = [head]
     try:
-        deadline = time.monotonic() + 300  # a loaded two-core machine can take minutes to start an agent
+        deadline = time.monotonic() + 180
         while not (found := re.search(r"ray start --address='([^']+)'", (tmp_path / "head.log").read_text())):
             assert head.poll() is None and time.monotonic() < deadline, (tmp_path / "head.log").read_text()[-3000:]
             time.sleep(0.5)
