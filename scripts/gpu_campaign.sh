@@ -11,7 +11,9 @@
 #   d   `erase-tune start` at a ranking-sized batch (8192), 16 trials + confirmation, then export
 #       within a 1% NE budget; the space is ctr.yaml with the whole-step graph fixed on, the batch
 #       and the budget changed (scripts/campaign_space.py);
-#   e   the GPU tests, then the same at batch 2048 with 24 trials.
+#   e   the GPU tests, then the same at batch 2048 with 24 trials;
+#   f   the same at batch 32768 (smaller data pools to fit host memory), 8 trials, seeded with the
+#       plans d and e exported (docs/results/h200-2026-12-01/best_ctr*_graph.yaml).
 # On two H200s (nvidia-h200-x2):
 #   a   GPU0: replay table shard 0, bench at batch 2048 and 8192 (placement beside ERASE), the
 #             deep-MLP backward/step times, the GPU tests;  GPU1: replay table shard 1, the
@@ -112,6 +114,16 @@ case $phase in
     step status_ctr$batch 20 0 $py -m erase_tune status --study ctr-$batch --storage "sqlite:///$work/tune_$batch.db"
     step export_ctr$batch 60 0 $py -m erase_tune export --study ctr-$batch --storage "sqlite:///$work/tune_$batch.db" \
       --max-ne-gap 0.01 -o "$work/best_$batch.yaml" --json
+    ;;
+  f)
+    r=docs/results/h200-2026-12-01
+    $py scripts/campaign_space.py search_spaces/ctr.yaml "$work/ctr-32768.yaml" --batch 32768 --max-ne-gap 0.01 \
+      --trials 8 --arg train_batches=320 --arg eval_batches=4 --seed-plan $r/best_ctr2048_graph.yaml \
+      --seed-plan $r/best_ctr8192_graph.yaml || exit 2
+    db=sqlite:///$work/tune_32768.db
+    step tune_ctr32768 430 0 $py -m erase_tune start --space "$work/ctr-32768.yaml" --study ctr-32768 --storage "$db"
+    step status_ctr32768 15 0 $py -m erase_tune status --study ctr-32768 --storage "$db"
+    step export_ctr32768 90 0 $py -m erase_tune export --study ctr-32768 --storage "$db" -o "$work/best_32768.yaml" --json
     ;;
   c)
     step ddp_table1 240 0,1 $py scripts/ddp_table1.py --out "$work/ddp_table1.json"
