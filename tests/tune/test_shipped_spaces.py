@@ -44,3 +44,27 @@ def test_ctr_ddp_is_the_ctr_space_on_two_ranks():
                                find_unused_parameters=ctr.find_unused_parameters,
                                workload_args={**ddp.workload_args, "train_batches": ctr.workload_args["train_batches"]})
     assert same == ctr
+
+
+def test_the_campaign_variant_of_ctr_loads_with_exported_plans_as_seeds(tmp_path):
+    """scripts/campaign_space.py (GPU campaign phases d, e, f) makes a graph-only, 1%-budget
+    ctr.yaml seeded with plans earlier studies exported: a change to ctr.yaml or to the plan
+    format that breaks it fails here, not on the GPU."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    plans = sorted((root / "docs/results/h200-2026-12-01").glob("best_ctr*_graph.yaml"))
+    assert len(plans) == 3
+    out = tmp_path / "ctr-campaign.yaml"
+    cmd = [sys.executable, str(root / "scripts/campaign_space.py"), str(root / "search_spaces/ctr.yaml"), str(out),
+           "--batch", "1024", "--max-ne-gap", "0.01", "--trials", "8", "--arg", "train_batches=64"]
+    for p in plans:
+        cmd += ["--seed-plan", str(p)]
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
+    space = SearchSpace.load(out)
+    assert space.whole_step_graph == (True,) and space.max_ne_gap == 0.01 and space.trials == 8
+    names = [n for n, _ in space.seeds]
+    assert names == ["all-placed", "whole-step-graph-all-six"] + [f"from-{p.stem}" for p in plans]
+    assert all(plan.whole_step_graph for _, plan in space.seeds)
+    assert len(check_space(space).seeds) == len(space.seeds)
