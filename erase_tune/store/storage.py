@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import optuna
-from sqlalchemy import Engine, text
+from sqlalchemy import Connection, Engine, text
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
@@ -61,8 +61,10 @@ class Storage:
     parsed: URL
 
     def lock(self, name: str) -> contextlib.AbstractContextManager[None]:
-        """A lock shared by every process that opens this storage (see the module docstring)."""
-        return _lock(self.parsed, self.optuna.engine, name)
+        """A lock shared by every process that opens this storage (see the module docstring);
+        taking it is retried like any storage call (:func:`retrying`)."""
+        return _lock(self.parsed, self.optuna.engine, name,
+                     acquire=lambda take: retrying(f"taking the lock {name!r}", take, url=self.url, parsed=self.parsed))
 
     def close(self) -> None:
         self.store.close()
@@ -162,18 +164,36 @@ _LOCAL_LOCKS: dict[str, threading.Lock] = {}
 
 
 @contextlib.contextmanager
-def _lock(url: URL, engine: Engine | None, name: str) -> Iterator[None]:
+def _lock(url: URL, engine: Engine | None, name: str,
+          acquire: Callable[[Callable[[], Connection]], Connection] | None = None) -> Iterator[None]:
     if url.get_backend_name() == "postgresql":
         assert engine is not None
         key = int.from_bytes(hashlib.sha256(f"erase-tune:{name}".encode()).digest()[:8], "big", signed=True)
-        with engine.connect() as conn:
-            conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": key})
-            conn.commit()
+
+        def take() -> Connection:
+            conn = engine.connect()
             try:
-                yield
-            finally:
+                conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": key})
+                conn.commit()
+            except BaseException:
+                conn.invalidate()  # closed for good: a lock it may hold ends with its session
+                conn.close()
+                raise
+            return conn
+
+        conn = acquire(take) if acquire is not None else take()
+        try:
+            yield
+        finally:
+            try:
                 conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": key})
                 conn.commit()
+            except SQLAlchemyError:
+                # The connection broke while locked (the storage was lost): drop it for good, which
+                # ends its session and so the lock, and let the locked block's error be the one seen.
+                conn.invalidate()
+            finally:
+                conn.close()
         return
     path = _sqlite_path(url)
     if path is None:  # in-memory: one process by definition

@@ -110,3 +110,35 @@ def test_postgres_database_dropped_mid_job(pg_database, tmp_path):
         with admin.connect() as conn:
             conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         admin.dispose()
+
+
+def test_losing_postgres_while_holding_the_study_lock_reports_the_loss(tmp_path, monkeypatch):
+    """The race the end-to-end test above can hit: the database goes while a driver holds the
+    study's advisory lock. Releasing the lock on the dead connection must not replace the
+    storage-loss error with a raw driver error (a traceback from the CLI), and taking the lock
+    on a storage that is gone is a StorageLost like any other storage call."""
+    import pytest
+
+    from erase_tune.store.storage import RETRY_ENV, StorageLost, open_storage
+
+    monkeypatch.setenv(RETRY_ENV, "1")
+    name = f"et_lock_{os.getpid()}"
+    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT", poolclass=NullPool)
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}"')
+        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    db = open_storage(make_url(PG_ADMIN_URL).set(database=name).render_as_string(hide_password=False))
+    try:
+        with pytest.raises(StorageLost, match="lost while counting"):
+            with db.lock("study:s"):
+                with admin.connect() as conn:
+                    conn.exec_driver_sql(f'DROP DATABASE "{name}" WITH (FORCE)')
+                raise StorageLost(f"storage {db.url} lost while counting the study's trials: gone")
+        with pytest.raises(StorageLost, match="lost while taking the lock 'study:s'"):
+            with db.lock("study:s"):
+                pass
+    finally:
+        db.close()
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.dispose()
