@@ -82,12 +82,31 @@ def open_storage(url: str, *, must_exist: bool = False, upgrade: bool = True,
     if must_exist and path is not None and not _is_file(path):
         raise EraseTuneError(f"storage {shown_url(parsed)}: no database file at {errors.one_line(str(path), 300)}")
     kwargs = engine_kwargs(parsed)
+    # Another process opening the same SQLite file at this moment (a second driver, status, the
+    # dashboard: Optuna creates its tables when it opens a storage) can make set-up's deferred
+    # transactions fail at once with "database is locked" instead of waiting: that is retried,
+    # within the storage retry window; anything else fails at once, in one line.
+    deadline = time.monotonic() + float(os.environ.get(RETRY_ENV, "60"))
+    delay = 0.2
+    while True:
+        try:
+            rdb, store = _open_once(url, parsed, kwargs, upgrade, heartbeat_interval, grace_period)
+            break
+        except EraseTuneError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any driver/connection error becomes one line
+            cause = errors.one_line(_cause(e, parsed), 300)
+            if "database is locked" in cause and time.monotonic() + delay < deadline:
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+                continue
+            raise EraseTuneError(f"storage {shown_url(parsed)}: cannot open: {cause}") from None
+    return Storage(url=shown, optuna=rdb, store=store, parsed=parsed)
 
-    def build() -> optuna.storages.RDBStorage:
-        return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, heartbeat_interval=heartbeat_interval,
-                                          grace_period=grace_period)
 
-    setup_engine = None
+def _open_once(url: str, parsed: URL, kwargs: dict, upgrade: bool, heartbeat_interval: int | None,
+               grace_period: int | None) -> tuple[optuna.storages.RDBStorage, Store]:
+    setup_engine, rdb = None, None
     try:
         if upgrade and parsed.get_backend_name() == "postgresql":
             # The lock needs a connection before Optuna's engine exists: a short-lived one.
@@ -95,7 +114,8 @@ def open_storage(url: str, *, must_exist: bool = False, upgrade: bool = True,
 
             setup_engine = build_engine(parsed)
         with _lock(parsed, setup_engine, "schema") if upgrade else contextlib.nullcontext():
-            rdb = build()
+            rdb = optuna.storages.RDBStorage(url, engine_kwargs=kwargs, heartbeat_interval=heartbeat_interval,
+                                             grace_period=grace_period)
             # From now on Optuna's transactions take SQLite's write lock up front too, as ours
             # do (engine.SQLiteSettings): several drivers on one file then queue instead of
             # failing when a read turns into a write. (Not during RDBStorage's own set-up,
@@ -104,15 +124,14 @@ def open_storage(url: str, *, must_exist: bool = False, upgrade: bool = True,
             store = Store(url, engine=rdb.engine)
             if upgrade:
                 store.upgrade()
-    except EraseTuneError:
+        return rdb, store
+    except BaseException:
+        if rdb is not None:  # a failed attempt keeps no connections open
+            rdb.engine.dispose()
         raise
-    except Exception as e:  # noqa: BLE001 - any driver/connection error becomes one line
-        cause = errors.one_line(_cause(e, parsed), 300)
-        raise EraseTuneError(f"storage {shown_url(parsed)}: cannot open: {cause}") from None
     finally:
         if setup_engine is not None:
             setup_engine.dispose()
-    return Storage(url=shown, optuna=rdb, store=store, parsed=parsed)
 
 
 def _is_file(path: Path) -> bool:

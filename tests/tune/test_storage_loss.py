@@ -142,3 +142,39 @@ def test_losing_postgres_while_holding_the_study_lock_reports_the_loss(tmp_path,
         with admin.connect() as conn:
             conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         admin.dispose()
+
+
+def test_sqlite_busy_while_opening_is_waited_out_other_errors_are_not(tmp_path, monkeypatch):
+    """Another process opening the same SQLite file at the moment a driver sets it up can make
+    set-up fail at once with "database is locked" (seen in CI: a poller's Optuna created its
+    tables meanwhile); open_storage retries that, and only that, within the retry window."""
+    import sqlite3
+
+    import pytest
+    from sqlalchemy.exc import OperationalError
+
+    import erase_tune.store.storage as storage
+    from erase_tune.errors import EraseTuneError
+
+    real, calls = storage._open_once, []
+
+    def flaky(*a, **k):
+        calls.append(1)
+        if len(calls) <= 2:
+            raise OperationalError("BEGIN", {}, sqlite3.OperationalError("database is locked"))
+        return real(*a, **k)
+
+    monkeypatch.setattr(storage, "_open_once", flaky)
+    db = storage.open_storage(f"sqlite:///{tmp_path / 'busy.db'}")
+    db.close()
+    assert len(calls) == 3
+
+    def broken(*a, **k):
+        calls.append(1)
+        raise OperationalError("BEGIN", {}, sqlite3.OperationalError("disk I/O error"))
+
+    calls.clear()
+    monkeypatch.setattr(storage, "_open_once", broken)
+    with pytest.raises(EraseTuneError, match="cannot open: disk I/O error"):
+        storage.open_storage(f"sqlite:///{tmp_path / 'io.db'}")
+    assert len(calls) == 1
