@@ -12,6 +12,8 @@
 #       within a 1% NE budget; the space is ctr.yaml with the whole-step graph fixed on, the batch
 #       and the budget changed (scripts/campaign_space.py);
 #   e   the GPU tests, then the same at batch 2048 with 24 trials;
+#   g   the same at batch 2048 with 20 trials (study ctr-2048-g), to see the default sampler of
+#       2026-12-02 (moves with a known effect first) on real measurements;
 #   f   the same at batch 32768 (smaller data pools to fit host memory), 8 trials, seeded with the
 #       plans d and e exported (docs/results/h200-2026-12-01/best_ctr*_graph.yaml).
 # On two H200s (nvidia-h200-x2):
@@ -101,18 +103,20 @@ case $phase in
       --storage "sqlite:///$work/tune_mlp.db" &
     wait
     ;;
-  d|e)
+  d|e|g)
     # A campaign space made from the shipped ctr.yaml: every plan inside a whole-step graph (on an
     # H200 every eager plan at these batches is 40-57% below the graph baseline: trials spent there
     # find nothing), the NE budget at the 1%; d at a ranking-sized batch (8192), e at 2048.
-    [ "$phase" = d ] && batch=8192 trials=16 limit=480 || batch=2048 trials=24 limit=400
+    case $phase in d) batch=8192 trials=16 limit=480 ;; e) batch=2048 trials=24 limit=400 ;;
+                   g) batch=2048 trials=20 limit=400 ;; esac
     $py scripts/campaign_space.py search_spaces/ctr.yaml "$work/ctr-$batch.yaml" --batch $batch --max-ne-gap 0.01 \
       --trials $trials || exit 2
     [ "$phase" = e ] && step gputests 60 0 $py -m pytest --noconftest -q -m gpu tests/runtime tests/measure -p no:cacheprovider
-    step tune_ctr$batch $limit 0 $py -m erase_tune start --space "$work/ctr-$batch.yaml" --study ctr-$batch \
+    study=ctr-$batch; [ "$phase" = g ] && study=ctr-$batch-g
+    step tune_ctr$batch $limit 0 $py -m erase_tune start --space "$work/ctr-$batch.yaml" --study $study \
       --storage "sqlite:///$work/tune_$batch.db"
-    step status_ctr$batch 20 0 $py -m erase_tune status --study ctr-$batch --storage "sqlite:///$work/tune_$batch.db"
-    step export_ctr$batch 60 0 $py -m erase_tune export --study ctr-$batch --storage "sqlite:///$work/tune_$batch.db" \
+    step status_ctr$batch 20 0 $py -m erase_tune status --study $study --storage "sqlite:///$work/tune_$batch.db"
+    step export_ctr$batch 60 0 $py -m erase_tune export --study $study --storage "sqlite:///$work/tune_$batch.db" \
       --max-ne-gap 0.01 -o "$work/best_$batch.yaml" --json
     ;;
   f)

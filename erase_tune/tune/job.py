@@ -33,7 +33,7 @@ from erase_tune.tune.export import confirm_front
 from erase_tune.tune.journal import Journal
 from erase_tune.tune.loop import HEARTBEAT_S, Loop, Progress
 from erase_tune.tune.record import Recorder
-from erase_tune.tune.space import SearchSpace
+from erase_tune.tune.space import SearchSpace, plan_key
 from erase_tune.tune.space_file import MAX_TRIALS
 from erase_tune.tune.study import Attr, FrontPoint, make_sampler, open_study, pareto_front
 
@@ -151,7 +151,8 @@ def _set_up(db: Any, space: SearchSpace, name: str, space_path: str, target: int
                                   get_or_create=True)
         job = db.store.set_job_status(name, "running", n_trials_target=target)
         seed = None if space.sampler_seed is None else space.sampler_seed + 1_000_003 * drivers
-        study.sampler = make_sampler(space.sampler, seed)
+        study.sampler = make_sampler(space.sampler, seed, max_ne_gap=space.max_ne_gap,
+                                     plan_key=plan_key(space, checked.candidates, checked.can_detach))
         recorder = Recorder(study=study, storage=db, job=job, space=space)
         journal = Journal(db.url, name)
         for entry in journal.entries():  # outcomes a driver measured but could not store

@@ -26,7 +26,7 @@ import optuna
 from erase_tune.errors import EraseTuneError
 from erase_tune.runtime import ErasePlan
 from erase_tune.tune.hypervolume import hypervolume_history
-from erase_tune.tune.space import Guard, SearchSpace
+from erase_tune.tune.space import Guard, SearchSpace, plan_key
 from erase_tune.tune.study import DIRECTIONS, make_sampler
 
 __all__ = ["ReplayTable", "replay_study", "ReplayRun", "space_plans"]
@@ -94,7 +94,8 @@ def replay_study(space: SearchSpace, candidates: Sequence[str], table: ReplayTab
     """Run one study of ``trials`` measured plans against ``table`` (see the module docstring).
     The space's seed plans are enqueued first, as ``erase-tune start`` does."""
     optuna.logging.set_verbosity(logging.WARNING)
-    study = optuna.create_study(directions=list(DIRECTIONS), sampler=make_sampler(sampler, seed))
+    chosen = make_sampler(sampler, seed, max_ne_gap=space.max_ne_gap, plan_key=plan_key(space, candidates, can_detach))
+    study = optuna.create_study(directions=list(DIRECTIONS), sampler=chosen)
     for _name, plan in space.seeds:
         from erase_tune.tune.space import plan_params
 

@@ -28,7 +28,7 @@ from erase_tune.runtime import Cut, ErasePlan, Placement
 from erase_tune.runtime.plan import targets_overlap
 from erase_tune.trial import Budget
 
-__all__ = ["SearchSpace", "SpaceError", "MODES", "plan_params"]
+__all__ = ["SearchSpace", "SpaceError", "MODES", "plan_params", "plan_key"]
 
 MODES = ("keep", "place", "detach")
 """What a plan may do with a candidate: leave it, run it on a side stream (gradients
@@ -164,6 +164,55 @@ def _modes(modes: tuple[str, ...], candidate: str, detach_ok: bool) -> tuple[str
     if detach_ok or "detach" not in modes:
         return f"{candidate}.mode", modes
     return f"{candidate}.mode_upstream", tuple(m for m in modes if m != "detach")
+
+
+def plan_key(space: SearchSpace, candidates: Sequence[str], can_detach: Guard | None = None
+             ) -> Callable[[dict[str, Any], Any], tuple[str, dict[str, Any]]]:
+    """``(params, rng) -> (canonical plan as YAML, the parameters that make it)``: the parameters a
+    plan needs and ``params`` lacks (the space is conditional) are drawn at random (``rng``: a
+    ``numpy.random.RandomState``), the ones it does not ask are dropped. How the default sampler
+    tells plans apart: several parameter sets can make one plan (streams are renumbered in the
+    canonical form)."""
+
+    def key(params: dict[str, Any], rng: Any) -> tuple[str, dict[str, Any]]:
+        trial = _Completing(params, rng)
+        plan = space.plan_from_trial(trial, candidates, can_detach)
+        return plan.canonical().dumps(), trial.params
+
+    return key
+
+
+class _Completing:
+    """A trial answering from ``given`` where it can, drawing uniformly (log-uniformly for a
+    log range) where it cannot; ``params`` holds what was asked."""
+
+    def __init__(self, given: dict[str, Any], rng: Any) -> None:
+        self._given, self._rng, self.params = given, rng, {}
+
+    def suggest_categorical(self, name: str, choices: Sequence[Any]) -> Any:
+        value = self._given.get(name, _MISSING)
+        if value is _MISSING or value not in choices:
+            value = choices[self._rng.randint(len(choices))]
+        self.params[name] = value
+        return value
+
+    def suggest_int(self, name: str, low: int, high: int) -> int:
+        value = self._given.get(name, _MISSING)
+        if not (isinstance(value, int) and low <= value <= high):
+            value = int(self._rng.randint(low, high + 1))
+        self.params[name] = value
+        return value
+
+    def suggest_float(self, name: str, low: float, high: float, *, log: bool = False) -> float:
+        value = self._given.get(name, _MISSING)
+        if not (isinstance(value, (int, float)) and low <= value <= high):
+            value = float(math.exp(self._rng.uniform(math.log(low), math.log(high))) if log
+                          else self._rng.uniform(low, high))
+        self.params[name] = value
+        return value
+
+
+_MISSING = object()
 
 
 def plan_params(space: SearchSpace, plan: ErasePlan, candidates: Sequence[str],

@@ -12,6 +12,7 @@ attribute (:class:`Attr`), so the dashboard can sort and plot by it.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import optuna
@@ -57,13 +58,17 @@ _OLD_METRICS = {"gain_vs_eager": "gain_p90", "gain_vs_graph": "gain_vs_reference
 """Studies written before the metrics were flat kept them in one ``metrics`` dict."""
 
 
-def make_sampler(name: str, seed: int | None) -> optuna.samplers.BaseSampler:
+def make_sampler(name: str, seed: int | None, max_ne_gap: float | None = None,
+                 plan_key: Callable[[dict[str, Any], Any], tuple[str, dict[str, Any]]] | None = None,
+                 ) -> optuna.samplers.BaseSampler:
     """A sampler by name; all but random honour the NE constraint. ``front`` is the default,
-    chosen by replayed studies on H200 measurements (docs/benchmarks.md, "Tuner efficiency")."""
+    chosen by replayed studies on H200 measurements (docs/benchmarks.md, "Tuner efficiency");
+    it measures the hypervolume within ``max_ne_gap`` and tells plans apart by ``plan_key``
+    (erase_tune.tune.space.plan_key)."""
     if name == "front":
         from erase_tune.tune.samplers import FrontSampler
 
-        return FrontSampler(seed=seed)
+        return FrontSampler(seed=seed, max_ne_gap=max_ne_gap, plan_key=plan_key)
     if name == "tpe":
         return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, constant_liar=True,
                                           n_startup_trials=8)
