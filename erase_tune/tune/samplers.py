@@ -73,7 +73,6 @@ class FrontSampler(BaseSampler):
         self._restart = restart
         self._budget = max_ne_gap
         self._plan_key = plan_key
-        self._keys: dict[int, Any] = {}  # trial number -> its plan's key (complete trials)
         self._plan_of: dict[frozenset, tuple[Any, dict[str, Any]]] = {}  # parameter set -> _plan
         self._plans: dict[int, dict[str, Any] | None] = {}
         self._paired: set[int] = set()  # trial numbers whose pairs are in _sums
@@ -115,9 +114,7 @@ class FrontSampler(BaseSampler):
         """The first complete trial of each plan (a repeat was answered with its values)."""
         out, plans = [], set()
         for t in done:
-            if t.number not in self._keys:
-                self._keys[t.number] = self._plan(t.params)[0]
-            key = self._keys[t.number]
+            key = self._plan(t.params)[0]
             if key not in plans:
                 out.append(t)
                 plans.add(key)
@@ -128,7 +125,7 @@ class FrontSampler(BaseSampler):
         seen: set[Any] = set()
         for t in study.get_trials(deepcopy=False):
             seen.add(frozenset(t.params.items()))
-            seen.add(self._keys[t.number] if t.number in self._keys else self._plan(t.params)[0])
+            seen.add(self._plan(t.params)[0])
         return seen
 
     def _new(self, params: dict[str, Any], seen: set[Any]) -> dict[str, Any] | None:
