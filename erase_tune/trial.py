@@ -241,10 +241,10 @@ def run_trial(
     started = time.perf_counter()
     device = resolve_device(device)
     with_reference = budget.reference and device.type == "cuda"
-    if not with_reference:
-        reference_error = None
-    elif reference_error is UNKNOWN:
-        reference_error = reference_capture_error(workload, device, seed=budget.seed)
+    if isinstance(reference_error, _Unknown):
+        ref_error = reference_capture_error(workload, device, seed=budget.seed) if with_reference else None
+    else:
+        ref_error = reference_error
     torch.manual_seed(budget.seed)
     data = workload.make_data(device)
     init = workload.build_model()
@@ -254,7 +254,7 @@ def run_trial(
     plans: dict[str, ErasePlan] = {"baseline": ErasePlan(), "candidate": plan}
     if budget.detach_only and plan.cuts:
         plans["detach_only"] = plan.detach_only()
-    if with_reference and reference_error is None:
+    if with_reference and ref_error is None:
         plans["reference"] = ErasePlan(whole_step_graph=True)
     variants: dict[str, Variant] = {}
     try:
@@ -312,7 +312,7 @@ def run_trial(
             # > 1 means batches were re-read; a CTR proxy over-fits on a second pass, so NE is then suspect.
             data_passes=round(budget.training_steps * world / len(data.train), 3),
         ),
-        reference_error=reference_error if isinstance(reference_error, str) else None,
+        reference_error=ref_error,
     )
 
 
