@@ -31,8 +31,8 @@ from optuna.storages import fail_stale_trials
 from optuna.trial import TrialState
 
 from erase_tune.runtime import ErasePlan
-from erase_tune.trial import BASELINE
 from erase_tune.store.storage import Storage, StorageLost, retrying
+from erase_tune.trial import BASELINE
 from erase_tune.tune.checks import CheckedSpace
 from erase_tune.tune.executor import RayExecutor, TrialHandle
 from erase_tune.tune.journal import Entry, Journal
