@@ -357,7 +357,10 @@ def reference_capture_error(workload: Workload, device: str | torch.device | Non
 
 def _restore_cuda_rng(device: torch.device, error: str) -> None:
     """After a failed capture: give the device's default generator a fresh state (same seed)
-    if the failed capture left it in capture state, and check it with one draw."""
+    if the failed capture left it in capture state, and check it with one draw. Seen on an H200
+    (torch 2.11): a capture invalidated by a CPU sync leaves the generator capturing (the next
+    draw fails with "Offset increment outside graph capture"), and a fresh state set this way
+    draws again; a capture refused by torch itself (a host-to-device copy) leaves it untouched."""
     try:
         torch.randn(1, device=device)
         return
