@@ -7,10 +7,11 @@ a run of blocks is a chain; if it may be graphed, it takes and returns tensors a
 once; if it may be detached, it does not produce the model's output. A candidate that can
 never be detached (it produces the output, or detaching it would leave a parameter untrained
 even with every candidate before it detached too: a cut upstream of which nothing else
-trains the embeddings, say) may still be placed or graphed: where it takes the space's
-``modes`` and they offer place or graph, it is simply never offered detach; where its own
-modes ask for detach, or nothing but keep would be left, it is refused with one line naming
-it and why. For the others the probe gives the search a guard: detaching a candidate is
+trains the embeddings, say) may still be placed or graphed, but a space that lists it with
+detach among its modes is refused, with one line naming it and why: give it its own modes
+(``{module: top_l, modes: [keep, place, graph]}``). Only the workload's own candidates (a
+space that lists none) are taken as they come: one that can never be detached is offered
+its other modes. For the others the probe gives the search a guard: detaching a candidate is
 offered only when the cuts chosen before it cover its upstream (on a chain: the first
 segment first), so no trial is ever spent on a plan that starves a parameter. Seeds are
 checked as whole plans.
@@ -76,12 +77,11 @@ def check_space(space: SearchSpace) -> CheckedSpace:
             if why is None:
                 if not any(targets_overlap(c, g.module) for g in greedy):
                     greedy.append(Cut(module=c))
-            elif c in space.candidate_modes or not set(modes) - {"keep", "detach"}:
-                fix = "leave detach out of its modes" if c in space.candidate_modes else \
-                    "leave it out, or give it its own modes without detach"
-                raise PlanError(f"{why} ({fix})")
+            elif space.candidates or not set(modes) - {"keep", "detach"}:
+                # Listed by the user for detaching: say why it cannot be, rather than never do it.
+                raise PlanError(f"{why}; leave detach out of its modes" if c in space.candidate_modes else why)
             else:
-                never.add(c)
+                never.add(c)  # one of the workload's own candidates, offered its other modes
         except PlanError as e:
             raise EraseTuneError(f"{space.source}: cuts.candidates: {e}") from None
     can_detach: Guard = lambda cuts, c: c not in never and base_guard(cuts, c)  # noqa: E731
