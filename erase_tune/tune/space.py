@@ -273,6 +273,9 @@ def plan_params(space: SearchSpace, plan: ErasePlan, candidates: Sequence[str],
         name, modes = _modes(space.modes_of(c), c, can_detach is None or can_detach(so_far, c))
         if mode == "detach" and "detach" not in modes:
             raise SpaceError(f"cut {c!r} would leave parameters untrained unless the candidates before it are cut")
+        if placed is not None and plan.whole_step_graph and "place" not in modes and "graph" in modes:
+            # Inside a whole-step graph a graphed piece on a side stream is canonically a placement.
+            mode, graphed, placed = "graph", Graphed(module=c, stream=placed.stream), None
         fix(name, mode, modes)
         if mode != "keep":
             used.append(c)
