@@ -177,6 +177,8 @@ def test_the_workloads_own_candidates_are_offered_what_works() -> None:
     ("[bot_l, top_l]", r"cuts.candidates: cut 'top_l' produces the model's output: .*place it instead\)$"),
     ("[bot_l, {module: top_l, modes: [keep, detach]}]",
      r"cuts.candidates: cut 'top_l' produces the model's output: .*; leave detach out of its modes$"),
+    ("[bot_l, 'top_l.0:4']", r"cuts.candidates: plan leaves \d+ parameters untrained: emb_l.0.weight, .*, even with "
+                             r"every candidate before it detached too$"),
     ("[bot_l, {module: 'top_l.0:4', modes: [keep, place, detach]}]",
      r"cuts.candidates: plan leaves \d+ parameters untrained: emb_l.0.weight, .*, even with every candidate before "
      r"it detached too; leave detach out of its modes$"),
