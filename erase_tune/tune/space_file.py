@@ -55,7 +55,7 @@ def parse(data: Any, base: Path) -> dict[str, Any]:
     wl = _mapping(wl, "workload", "{name, args}")
     _known(wl, {"name", "args", "working_dir", "py_modules"}, "workload.")
     if not isinstance(wl.get("name"), str) or not wl["name"].strip():
-        raise _Error("workload.name: required (ctr, gpt, mlp or package.module:factory)")
+        raise _Error("workload.name: required (ctr, gpt, mlp, dlrm or package.module:factory)")
     args = _mapping(_or(wl.get("args"), {}), "workload.args", "a mapping of argument names to values")
     working_dir = None if wl.get("working_dir") is None else _path(wl["working_dir"], "workload.working_dir", base)
     py_modules = _or(wl.get("py_modules"), [])
