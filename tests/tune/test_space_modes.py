@@ -188,3 +188,17 @@ def test_a_listed_candidate_that_cannot_be_detached_is_refused_in_one_line(candi
     with pytest.raises(EraseTuneError, match=r"^t.yaml: " + needle) as e:
         check_space(s)
     assert "\n" not in str(e.value)
+
+
+def test_a_finite_space_enumerates_each_candidates_own_modes() -> None:
+    from erase_tune.tune.replay import space_plans
+
+    s = space(SPACE.split("seeds:")[0].replace("max_streams: 2", "max_streams: 2\n  streams: round_robin")
+              .replace("dispatch: [blocking, threaded]", "dispatch: [blocking]").replace("graph: [false, true]", "graph: [false]")
+              .replace("whole_step_graph: [false, true]", "whole_step_graph: [false]")
+              .replace("aux_weight: {low: 0.1, high: 2.0, log: true}", "aux_weight: 1.0"))  # fmt: skip
+    plans = space_plans(s, CANDIDATES, check_space(s).can_detach)
+    # bot_l: keep, place, detach or graph; then top_l placed or graphed, or kept with top_l.0:4 kept or graphed.
+    assert len(plans) == 4 * 4 == len({p.dumps() for p in plans})
+    assert sum(not p.graphs for p in plans) == 3 * 2  # bot_l kept, placed or detached; top_l kept or placed
+    assert not any(c.module != "bot_l" for p in plans for c in p.cuts)
