@@ -105,6 +105,8 @@ class LazyJoin(TorchFunctionMode):
         """Events waited on so far (for tests and diagnostics)."""
         self.joins = 0
         """Pending tensors first read on some stream so far (on the CPU too, where nothing waits)."""
+        self.ops_seen = 0
+        """Ops the mode intercepted so far: what the guarded way costs (0 while fast)."""
         self._mode_on = False
         self._versions: list[tuple[Tensor, int]] = []  # fast way: side inputs and their version after the read
         self._pending: dict[int, tuple[Tensor, Any, Any]] = {}  # id -> (tensor, done event, its stream)
@@ -234,6 +236,7 @@ class LazyJoin(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        self.ops_seen += 1
         if not self._paused and (self._pending or self._read) and not _is_metadata(func):
             stream = dev.current_stream(self.device)
             self.consume(_tensors(args, kwargs), stream)
