@@ -65,8 +65,7 @@ class _Plain:
         seen = {}
         module = self.model.get_submodule(self.graph)
         handle = module.register_forward_pre_hook(lambda m, a: seen.setdefault("args", a))
-        with torch.no_grad():
-            self.model(*inputs)
+        self.model(*inputs)  # with grad: the sample inputs must require grad as the real ones do
         handle.remove()
         sample = tuple(a.detach().clone().requires_grad_(a.requires_grad) for a in seen["args"])
         parent, _, name = self.graph.rpartition(".")
