@@ -172,8 +172,9 @@ class SearchSpace:
             if dispatch != "deferred":  # a per-cut graph holds its backward: never deferred
                 cuts = [dataclasses.replace(c, graph=_choose(trial, f"{c.module}.graph", self.graph)) for c in cuts]
         fup = _choose(trial, "find_unused_parameters", self.find_unused_parameters)
-        plan = ErasePlan(cuts=tuple(cuts), placements=tuple(placed), graphs=tuple(graphed), num_streams=self.max_streams,
-                         dispatch=dispatch, whole_step_graph=whole, find_unused_parameters=fup)
+        plan = ErasePlan(cuts=tuple(cuts), placements=tuple(placed), graphs=tuple(graphed),
+                         num_streams=self.max_streams, dispatch=dispatch, whole_step_graph=whole,
+                         find_unused_parameters=fup)
         return plan.canonical()
 
 

@@ -240,7 +240,8 @@ def _needs(args: dict[str, Any]) -> list[Need]:
     examples = (args["train_batches"] + args["eval_batches"]) * batch
     pools = f"batch={batch} x (train_batches={args['train_batches']} + eval_batches={args['eval_batches']})"
     needs = [
-        Need("the embedding tables", tables * _TABLE_BYTES_PER_PARAMETER, f"num_tables={t} x rows={rows} x emb_dim={e}"),
+        Need("the embedding tables", tables * _TABLE_BYTES_PER_PARAMETER,
+             f"num_tables={t} x rows={rows} x emb_dim={e}"),
         Need("the sparse gradients", _SPARSE_GRAD_COPIES * batch * t * (4 * e + 8),
              f"batch={batch} x num_tables={t} x emb_dim={e}"),
         Need("the MLPs", dense * _DENSE_BYTES_PER_PARAMETER,

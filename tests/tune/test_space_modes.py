@@ -194,7 +194,8 @@ def test_a_finite_space_enumerates_each_candidates_own_modes() -> None:
     from erase_tune.tune.replay import space_plans
 
     s = space(SPACE.split("seeds:")[0].replace("max_streams: 2", "max_streams: 2\n  streams: round_robin")
-              .replace("dispatch: [blocking, threaded]", "dispatch: [blocking]").replace("graph: [false, true]", "graph: [false]")
+              .replace("dispatch: [blocking, threaded]", "dispatch: [blocking]")
+              .replace("graph: [false, true]", "graph: [false]")
               .replace("whole_step_graph: [false, true]", "whole_step_graph: [false]")
               .replace("aux_weight: {low: 0.1, high: 2.0, log: true}", "aux_weight: 1.0"))  # fmt: skip
     plans = space_plans(s, CANDIDATES, check_space(s).can_detach)

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from erase_tune.errors import WorkloadError
-from erase_tune.runtime import EraseEngine, ErasePlan, Graphed, Placement
+from erase_tune.errors import PlanError, WorkloadError
+from erase_tune.runtime import Cut, EraseEngine, ErasePlan, Graphed, Placement, probe
 from erase_tune.workloads import get_workload
 from erase_tune.workloads.dlrm import DLRM_Net, _parameter_count
 from tests.workloads.test_criteo import _write_tsv
@@ -63,6 +63,21 @@ def test_the_reference_layout() -> None:
     example = wl.example(CPU)
     assert [(t.shape, t.dtype) for t in (*example[0], example[1])] == [(t.shape, t.dtype) for t in (dense, offsets,
                                                                                                       ids, labels)]
+
+
+def test_the_candidates_are_placed_or_graphed_and_only_the_bottom_mlp_detached() -> None:
+    wl = get_workload("dlrm", SMALL)
+    model = wl.build_model()
+    found = probe(model, tuple(wl.example(CPU)[0]), wl.cut_candidates)
+    for c in wl.cut_candidates:
+        found.check_placement(c)
+        found.check_graphed(c)
+    for c in ("bot_l", "bot_l.0:2"):
+        found.check_plan(ErasePlan(cuts=(Cut(module=c),)))
+    with pytest.raises(PlanError, match=r"^cut 'top_l' produces the model's output"):
+        found.check_cut("top_l")
+    starved = found.untrained(ErasePlan(cuts=(Cut(module="bot_l"), Cut(module="top_l.0:4"))))
+    assert starved == tuple(f"emb_l.{t}.weight" for t in range(5))  # nothing else trains the tables
 
 
 def test_the_interaction_is_the_references_lower_triangle() -> None:
