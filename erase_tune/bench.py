@@ -140,12 +140,13 @@ class _PlainLoop:
         self.model = copy.deepcopy(init).to(device)
         self.optimizer = workload.optimizer(self.model.parameters())
         self.loss_fn = workload.loss_fn
+        self.prediction = workload.prediction
         self.data = data
 
     def __call__(self, step: int) -> None:
         inputs, target = self.data.batch(step)
         self.optimizer.zero_grad()
-        self.loss_fn(self.model(*inputs), target).backward()
+        self.loss_fn(self.prediction(self.model(*inputs)), target).backward()
         self.optimizer.step()
 
 

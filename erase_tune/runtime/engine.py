@@ -41,6 +41,7 @@ the model.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import zlib
@@ -100,6 +101,10 @@ class LinearHead(nn.Module):
 
 
 def _default_head(name: str, cut_out: Tensor, model_out: Tensor, *, activation: str = "none") -> nn.Module:
+    if not isinstance(model_out, Tensor):
+        raise PlanError(f"cut {shown(name)}: the model returns {type(model_out).__name__}, not one tensor, so the "
+                        "default aux head cannot match it: pass output= to pick the prediction out of it "
+                        "(or make_head with a head for this output)")
     squeeze = model_out.dim() == cut_out.dim() - 1
     out_features = 1 if squeeze else model_out.shape[-1]
     return LinearHead(cut_out.shape[-1], out_features, squeeze, activation)
@@ -121,6 +126,9 @@ class _Piece:
         self.modules = list(modules)
         # Bound forwards captured before patching: the piece calls these directly.
         self.forwards = [m.forward for m in self.modules]
+        # What each module's instance dict held under "forward" (torch.compile's OptimizedModule,
+        # a user's own patch), restored by close(); None: the class's forward.
+        self.own_forwards = [m.__dict__.get("forward") for m in self.modules]
 
     def chain(self, args: tuple, kwargs: dict) -> Any:
         out = self.forwards[0](*args, **kwargs)
@@ -129,7 +137,7 @@ class _Piece:
         return out
 
     def __deepcopy__(self, memo: dict) -> Any:
-        return _unpatched_copy(self.modules[0], memo)
+        return _unpatched_copy(self.modules[0], self.own_forwards[0], memo)
 
     def _enter_stream(self, stream: Any, args: tuple, kwargs: dict) -> tuple[Any, list[Tensor]]:
         """Order ``stream`` after the work its inputs come from; returns (current stream, inputs)."""
@@ -298,7 +306,15 @@ class EraseEngine:
             of per-rank mean losses is then the mean over the global batch). ``None`` (the
             default) reduces nothing, even when ``torch.distributed`` is initialised: the
             engine stays single-process. Pass the bare module, never a
-            ``DistributedDataParallel`` wrapper (refused). Sparse gradients are refused.
+            ``DistributedDataParallel`` wrapper (refused, and so is DDP nested inside the model,
+            as ``DistributedModelParallel`` adds by default, under a plan with cuts or
+            placements). Sparse gradients are refused.
+        output: optional ``output(model_output) -> prediction`` for a model whose forward
+            returns a structure (a tuple, a dict, TorchRec's ``DLRMTrain`` returning
+            ``(loss, (loss, logits, labels))``): the main loss is then
+            ``loss_fn(output(model_output), target)``, and the probe and the default aux
+            heads see the prediction alone. ``None`` (the default) hands ``loss_fn`` the
+            model's output as it is.
     """
 
     def __init__(
@@ -312,6 +328,7 @@ class EraseEngine:
         make_head: HeadFactory | None = None,
         graph_warmup: int = 3,
         process_group: Any = None,
+        output: Callable[[Any], Tensor] | None = None,
     ) -> None:
         if isinstance(model, nn.parallel.DistributedDataParallel):
             raise EraseTuneError(
@@ -319,7 +336,10 @@ class EraseEngine:
                 "process_group=...; the engine averages gradients itself (DDP's reducer does not expect the "
                 "early backward passes of detached pieces)"
             )
+        if plan.cuts or plan.placements:
+            _refuse_nested_ddp(model)
         plan.check_model(model)
+        self.output = output
         self.model = model
         self.plan = plan
         self.loss_fn = loss_fn
@@ -353,6 +373,10 @@ class EraseEngine:
             heads = self._build_heads(result, target, make_head)
             # Kept for the first step's check; the example's tensors are not needed any more.
             self._probe = dataclasses.replace(result, model_output=None, outputs={})
+        self._first_checked = False
+        self._reached: set[int] = set()
+        self._reach_hooks: list[Any] = []
+        self._watch_first_backward()
         self._head_modules = nn.ModuleList(heads.values())
         self.heads: Mapping[str, nn.Module] = MappingProxyType(heads)
         if process_group is not None:
@@ -368,7 +392,7 @@ class EraseEngine:
             for group in self.optimizer.param_groups:
                 if "capturable" in group:
                     group["capturable"] = True
-        self._patched: list[nn.Module] = []
+        self._patched: list[tuple[nn.Module, Any]] = []  # (module, the instance forward it had)
         modules = dict(model.named_modules())
         self._cut_runners: list[_CutRunner] = []
         for i, cut in enumerate(plan.cuts):
@@ -419,7 +443,7 @@ class EraseEngine:
             with torch.enable_grad():
                 with self._joining():
                     out = self.model(*inputs)
-                    main = self.loss_fn(out, target)
+                    main = self.loss_fn(self._prediction(out), target)
                     total = main + sum(self._deferred) if self._deferred else main
                 if self._active is not None:
                     self._active.poll()
@@ -428,6 +452,7 @@ class EraseEngine:
             self._join()
             if reducer is not None:
                 reducer.finish()
+            self._check_first_step()  # here too: a user's own step calls forward_backward alone
         finally:
             self._in_step, self._target = False, None
             self._deferred = []
@@ -439,10 +464,17 @@ class EraseEngine:
         return loss
 
     def close(self) -> None:
-        """Restore the model's own forwards and stop the worker thread."""
-        for m in self._patched:
-            m.__dict__.pop("forward", None)
+        """Restore exactly the forwards the model had (an instance-level one, as torch.compile
+        gives a compiled module, is put back; else the class's) and stop the worker thread."""
+        for m, own in reversed(self._patched):
+            if own is None:
+                m.__dict__.pop("forward", None)
+            else:
+                m.forward = own
         self._patched = []
+        for handle in self._reach_hooks:
+            handle.remove()
+        self._reach_hooks = []
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
@@ -461,7 +493,7 @@ class EraseEngine:
                             "against the model and size its aux heads")
         inputs, target = example
         targets = [t.module for t in (*self.plan.cuts, *self.plan.placements)]
-        result = probe(self.model, _as_tuple(inputs), targets)
+        result = probe(self.model, _as_tuple(inputs), targets, output=self.output)
         result.check_plan(self.plan)
         return result, target
 
@@ -503,11 +535,17 @@ class EraseEngine:
 
     def _patch(self, runner: _Piece) -> None:
         first, *rest = runner.modules
+        self._patched.append((first, runner.own_forwards[0]))
         first.forward = runner  # instance attribute shadows the class's forward
-        self._patched.append(first)
-        for m in rest:
-            m.forward = _Passthrough(m)
-            self._patched.append(m)
+        for m, own in zip(rest, runner.own_forwards[1:]):
+            self._patched.append((m, own))
+            m.forward = _Passthrough(m, own)
+
+    def _prediction(self, out: Any) -> Any:
+        """What ``loss_fn`` compares with the target: ``output(out)`` if the engine has one."""
+        if self.output is None:
+            return out
+        return select_output(self.output, out)
 
     def _side_stream(self, index: int):
         return self._streams[index - 1] if index > 0 else None
@@ -537,14 +575,33 @@ class EraseEngine:
         raise EraseTuneError("the loss does not require grad: no trainable parameter reaches the model's output")
 
     def _check_first_step(self) -> None:
-        """After the first backward: every parameter the plain model trains has a gradient."""
-        if self._steps or self._probe is None:
+        """After the first backward: every parameter the plain model trains has a gradient, or
+        had one accumulated (an optimizer applied in backward then sets ``.grad`` to None);
+        tables a fused kernel updates have no gradient to see (the probe checked them)."""
+        if self._steps or self._probe is None or self._first_checked or self._capturing:
             return
+        self._first_checked = True
+        for handle in self._reach_hooks:
+            handle.remove()
+        self._reach_hooks = []
         named = dict(self.model.named_parameters())
         filled = self._reducer.filled if self._reducer is not None else set()
-        missing = [n for n in self._probe.trainable if named[n].grad is None or id(named[n]) in filled]
+        fused = set(self._probe.fused)
+        missing = [n for n in self._probe.trainable if n not in fused and (
+            (named[n].grad is None and id(named[n]) not in self._reached) or id(named[n]) in filled)]
+        self._reached = set()
         if missing:
             raise PlanError(self._probe.starved_message(self.plan, missing))
+
+    def _watch_first_backward(self) -> None:
+        """Note every parameter a gradient is accumulated into during the first backward."""
+        if self._probe is None:
+            return
+        named = dict(self.model.named_parameters())
+        for n in self._probe.trainable:
+            p = named[n]
+            if n not in self._probe.fused and p.is_leaf:
+                self._reach_hooks.append(p.register_post_accumulate_grad_hook(lambda t: self._reached.add(id(t))))
 
     def _optimizer_step(self) -> None:
         try:
@@ -725,21 +782,39 @@ def _first_line(e: BaseException) -> str:
 class _Passthrough:
     """Forward of a later block of a run: the run's first block already applied it."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, own: Any = None) -> None:
         self.module = module
+        self.own = own
 
     def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         return x
 
     def __deepcopy__(self, memo: dict) -> Any:
-        return _unpatched_copy(self.module, memo)
+        return _unpatched_copy(self.module, self.own, memo)
 
 
-def _unpatched_copy(module: nn.Module, memo: dict) -> Any:
+def _unpatched_copy(module: nn.Module, own: Any, memo: dict) -> Any:
     # A deep copy of a model with an engine attached is a plain model: its copied modules get
-    # their class's own forward back (copy.deepcopy registers the copy in memo before its state).
+    # back the forward they had before the engine (copy.deepcopy registers the copy in memo
+    # before its state): the instance one they held (a compiled module's), else their class's.
+    if own is not None:
+        return copy.deepcopy(own, memo)
     copied = memo.get(id(module), module)
     return type(copied).forward.__get__(copied)
+
+
+def _refuse_nested_ddp(model: nn.Module) -> None:
+    """DDP inside the model reduces in its own order from autograd hooks, which a cut's early
+    backward fires mid-forward: one line naming the wrapped module instead of DDP's error."""
+    for name, m in model.named_modules():
+        if name and isinstance(m, nn.parallel.DistributedDataParallel):
+            raise EraseTuneError(
+                f"module {shown(name)} is wrapped in DistributedDataParallel inside the model (as "
+                "DistributedModelParallel does by default): its reducer cannot follow the early backward passes of "
+                "a plan's pieces; build the model without that wrapper (DistributedModelParallel: a "
+                "data_parallel_wrapper that does not wrap) and give the engine process_group= if it must average "
+                "dense gradients"
+            )
 
 
 def _as_tuple(inputs: Any) -> tuple:

@@ -461,6 +461,11 @@ def _check_in_model(label: str, module: str, modules: Mapping[str, nn.Module], m
         if run[1] > len(container):
             raise PlanError(f"{label}: run {shown(module)} ends past {shown(name)}, which has {len(container)} blocks")
     elif module not in modules:
+        # A wrapper (DistributedModelParallel, DDP, torch.compile) prefixes its module's names.
+        wrapped = [n for n in modules if n.endswith("." + module)]
+        if wrapped:
+            raise PlanError(f"{label}: {model_name} has no submodule {shown(module)}; under its wrapper it is "
+                            f"{', '.join(shown(n) for n in wrapped[:3])}")
         depth = module.count(".")
         near = [n for n in modules if n and n.count(".") <= depth][:12]
         raise PlanError(

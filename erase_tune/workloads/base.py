@@ -77,6 +77,15 @@ class Workload:
     values as valid: ids in range, labels in the label set), for probing the model and
     sizing aux heads without building the whole data pool; None falls back to
     ``make_data(device).batch(0)``. See :meth:`example`."""
+    output: Callable[[Any], Tensor] | None = None
+    """Optional: picks the prediction out of a model output that is a structure (a tuple,
+    TorchRec's ``DLRMTrain`` returning ``(loss, (loss, logits, labels))``): ``loss_fn`` and
+    the aux heads then see ``output(model(*inputs))``. None: the model's output as it is
+    (``EraseEngine``'s ``output=``)."""
+
+    def prediction(self, model_output: Any) -> Any:
+        """What ``loss_fn`` takes from one model output: ``output(model_output)``, or itself."""
+        return model_output if self.output is None else self.output(model_output)
 
     def example(self, device: torch.device) -> Batch:
         """One batch shaped like a training batch, on ``device``: ``make_example(device)``
@@ -92,7 +101,7 @@ class Workload:
         total, count = 0.0, 0
         with torch.no_grad():
             for inputs, target in data.eval:
-                total += float(self.loss_fn(model(*inputs), target)) * len(target)
+                total += float(self.loss_fn(self.prediction(model(*inputs)), target)) * len(target)
                 count += len(target)
         model.train(was_training)
         return total / count / data.prior_entropy
