@@ -183,6 +183,7 @@ def build_engine(workload: Workload, plan: ErasePlan, init: torch.nn.Module, dat
         graph_warmup=GRAPH_WARMUP,
         process_group=process_group,
         output=workload.output,
+        model_loss=workload.model_loss,
     )
 
 

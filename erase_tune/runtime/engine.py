@@ -58,7 +58,7 @@ from erase_tune.errors import CaptureError, EraseTuneError, PlanError, one_line,
 from erase_tune.runtime import device as dev
 from erase_tune.runtime.join import LazyJoin
 from erase_tune.runtime.plan import Cut, ErasePlan, Placement
-from erase_tune.runtime.probe import ProbeResult, probe
+from erase_tune.runtime.probe import ProbeResult, probe, select_output
 from erase_tune.runtime.reduce import GradReducer, broadcast_from_rank0, refuse_sparse
 
 __all__ = ["EraseEngine", "LinearHead"]
@@ -315,6 +315,10 @@ class EraseEngine:
             ``loss_fn(output(model_output), target)``, and the probe and the default aux
             heads see the prediction alone. ``None`` (the default) hands ``loss_fn`` the
             model's output as it is.
+        model_loss: optional ``model_loss(model_output) -> loss`` for a model that computes
+            its own loss (``DLRMTrain``: ``lambda out: out[0]``; its logits in ``out[1]`` are
+            detached): that is the main loss, and ``loss_fn`` serves the cuts' local losses
+            alone (give it the loss the model uses, on ``output=``'s prediction).
     """
 
     def __init__(
@@ -329,6 +333,7 @@ class EraseEngine:
         graph_warmup: int = 3,
         process_group: Any = None,
         output: Callable[[Any], Tensor] | None = None,
+        model_loss: Callable[[Any], Tensor] | None = None,
     ) -> None:
         if isinstance(model, nn.parallel.DistributedDataParallel):
             raise EraseTuneError(
@@ -340,6 +345,7 @@ class EraseEngine:
             _refuse_nested_ddp(model)
         plan.check_model(model)
         self.output = output
+        self.model_loss = model_loss
         self.model = model
         self.plan = plan
         self.loss_fn = loss_fn
@@ -443,7 +449,7 @@ class EraseEngine:
             with torch.enable_grad():
                 with self._joining():
                     out = self.model(*inputs)
-                    main = self.loss_fn(self._prediction(out), target)
+                    main = self._main_loss(out, target)
                     total = main + sum(self._deferred) if self._deferred else main
                 if self._active is not None:
                     self._active.poll()
@@ -493,7 +499,7 @@ class EraseEngine:
                             "against the model and size its aux heads")
         inputs, target = example
         targets = [t.module for t in (*self.plan.cuts, *self.plan.placements)]
-        result = probe(self.model, _as_tuple(inputs), targets, output=self.output)
+        result = probe(self.model, _as_tuple(inputs), targets, output=self.output, model_loss=self.model_loss)
         result.check_plan(self.plan)
         return result, target
 
@@ -541,11 +547,20 @@ class EraseEngine:
             self._patched.append((m, own))
             m.forward = _Passthrough(m, own)
 
-    def _prediction(self, out: Any) -> Any:
-        """What ``loss_fn`` compares with the target: ``output(out)`` if the engine has one."""
+    def _main_loss(self, out: Any, target: Tensor) -> Tensor:
+        """``model_loss(out)`` if the model computes its own, else ``loss_fn`` on the prediction
+        (``output(out)`` if the engine has a selector)."""
+        if self.model_loss is not None:
+            return select_output(self.model_loss, out, "model_loss")
         if self.output is None:
-            return out
-        return select_output(self.output, out)
+            return self.loss_fn(out, target)
+        pred = select_output(self.output, out)
+        if torch.is_grad_enabled() and not pred.requires_grad and _tensors(out) and any(
+                t.requires_grad for t in _tensors(out)):
+            raise EraseTuneError("output=: the prediction it picks is detached in the model's output, so no loss on it "
+                                 "trains the model: pass model_loss= to pick the loss the model computes itself "
+                                 "(DLRMTrain: lambda out: out[0])")
+        return self.loss_fn(pred, target)
 
     def _side_stream(self, index: int):
         return self._streams[index - 1] if index > 0 else None

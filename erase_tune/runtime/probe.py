@@ -190,12 +190,14 @@ class ProbeResult:
 
 
 def probe(model: nn.Module, inputs: tuple, targets: Sequence[str], *,
-          output: Callable[[Any], Tensor] | None = None) -> ProbeResult:
+          output: Callable[[Any], Tensor] | None = None,
+          model_loss: Callable[[Any], Tensor] | None = None) -> ProbeResult:
     """Run ``model(*inputs)`` once and record what each target (name or run) does in it.
 
     Targets may overlap (the service probes all candidates at once). A target that names no
     module of ``model`` raises :class:`PlanError`. ``output`` picks the prediction out of a
     structured model output (see :func:`select_output`); the checks and heads then see it alone.
+    ``model_loss`` picks the loss a model computes itself: gradient paths start there.
     """
     select = output
     modules = dict(model.named_modules())
@@ -206,10 +208,12 @@ def probe(model: nn.Module, inputs: tuple, targets: Sequence[str], *,
     calls: dict[str, list[_Call]] = {m: [] for m in watched}
     with _recording(modules, calls), _eval(model), _forked_rng(model), torch.enable_grad():
         output = model(*inputs)
+    loss = select_output(model_loss, output, "model_loss") if model_loss is not None else None
     if select is not None:
         output = select_output(select, output)
     records = {t: _target_record(t, calls, model_name) for t in targets}
-    nodes = _Nodes(model, _tensor_leaves(output), [x for rec in records.values() for x in rec.outs])
+    nodes = _Nodes(model, _tensor_leaves(output if loss is None else loss),
+                   [x for rec in records.values() for x in rec.outs])
     facts = {t: _facts(rec, nodes) for t, rec in records.items()}
     graph = nodes.graph
     trainable = graph.ordered(graph.params_of(graph.walk(graph.roots)))
@@ -226,19 +230,20 @@ def probe(model: nn.Module, inputs: tuple, targets: Sequence[str], *,
     )
 
 
-def select_output(output: Callable[[Any], Tensor], model_output: Any) -> Tensor:
-    """``output(model_output)``, the prediction in a structured model output; a one-line
-    :class:`EraseTuneError` when the selector fails on it or returns no tensor."""
+def select_output(output: Callable[[Any], Tensor], model_output: Any, label: str = "output") -> Tensor:
+    """``output(model_output)``, the prediction (or with ``label="model_loss"``, the loss) in a
+    structured model output; a one-line :class:`EraseTuneError` when the selector fails on it
+    or returns no tensor."""
     what = type(model_output).__name__
     try:
         pred = output(model_output)
     except (LookupError, AttributeError, TypeError, ValueError) as e:
         text = str(e).strip().splitlines()
-        raise EraseTuneError(f"output=: fails on the model's output (a {what}): {type(e).__name__}: "
+        raise EraseTuneError(f"{label}=: fails on the model's output (a {what}): {type(e).__name__}: "
                              f"{one_line(text[0]) if text else ''}".rstrip(": ")) from None
     if not isinstance(pred, Tensor):
-        raise EraseTuneError(f"output=: returns {type(pred).__name__} from the model's output (a {what}), "
-                             "but the prediction must be one tensor")
+        raise EraseTuneError(f"{label}=: returns {type(pred).__name__} from the model's output (a {what}), "
+                             f"but the {'loss' if label == 'model_loss' else 'prediction'} must be one tensor")
     return pred
 
 

@@ -56,7 +56,7 @@ def check_space(space: SearchSpace) -> CheckedSpace:
         except EraseTuneError as e:
             raise EraseTuneError(f"{space.source}: cuts.candidates: {str(e).split(': ', 1)[-1]}") from None
     inputs, _ = workload.example(torch.device("cpu"))
-    found = probe(model, tuple(inputs), candidates, output=workload.output)
+    found = probe(model, tuple(inputs), candidates, output=workload.output, model_loss=workload.model_loss)
     can_detach = _guard(found)
     greedy: list[Cut] = []  # every earlier candidate that can be detached, detached
     for c in candidates:

@@ -83,9 +83,21 @@ class Workload:
     the aux heads then see ``output(model(*inputs))``. None: the model's output as it is
     (``EraseEngine``'s ``output=``)."""
 
+    model_loss: Callable[[Any], Tensor] | None = None
+    """Optional: picks the loss out of the output of a model that computes its own
+    (``DLRMTrain``: ``lambda out: out[0]``): the main loss of training; ``loss_fn`` (on
+    ``output``'s prediction) then serves the cuts' local losses and held-out NE
+    (``EraseEngine``'s ``model_loss=``)."""
+
     def prediction(self, model_output: Any) -> Any:
         """What ``loss_fn`` takes from one model output: ``output(model_output)``, or itself."""
         return model_output if self.output is None else self.output(model_output)
+
+    def training_loss(self, model_output: Any, target: Tensor) -> Tensor:
+        """The main loss of a plain training step on one model output."""
+        if self.model_loss is not None:
+            return self.model_loss(model_output)
+        return self.loss_fn(self.prediction(model_output), target)
 
     def example(self, device: torch.device) -> Batch:
         """One batch shaped like a training batch, on ``device``: ``make_example(device)``
