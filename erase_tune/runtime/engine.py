@@ -826,9 +826,8 @@ def _refuse_nested_ddp(model: nn.Module) -> None:
             raise EraseTuneError(
                 f"module {shown(name)} is wrapped in DistributedDataParallel inside the model (as "
                 "DistributedModelParallel does by default): its reducer cannot follow the early backward passes of "
-                "a plan's pieces; build the model without that wrapper (DistributedModelParallel: a "
-                "data_parallel_wrapper that does not wrap) and give the engine process_group= if it must average "
-                "dense gradients"
+                "a plan's pieces; build the model without that wrapper (DistributedModelParallel: pass a "
+                "data_parallel_wrapper that does not wrap, on one rank)"
             )
 
 
