@@ -94,3 +94,17 @@ def test_an_ebc_returns_a_keyed_tensor_not_a_cut_output():
     text = refusal(two_tower(), ErasePlan(cuts=(Cut(module="sparse.ebc"),)), (dense, kjt), labels,
                    nn.functional.binary_cross_entropy)
     assert text.startswith("cut 'sparse.ebc': the module returns KeyedTensor, but a cut must return one tensor")
+
+
+def test_graphed_pieces_take_the_dense_part_not_the_jagged_ids():
+    from erase_tune.runtime import Graphed
+
+    dense, kjt, labels = batch()
+    text = refusal(dlrm(), ErasePlan(graphs=(Graphed(module="sparse_arch", stream=0),)), (dense, kjt), labels,
+                   logits_loss)
+    assert text.startswith("graphed piece 'sparse_arch': the module takes KeyedJaggedTensor; a graphed piece must take "
+                           "tensors only")
+    plan = ErasePlan(cuts=(Cut(module="sparse_arch"),), graphs=(Graphed(module="over_arch", stream=0),))
+    with EraseEngine(dlrm(), plan, loss_fn=logits_loss, optimizer=sgd, example=((dense, kjt), labels),
+                     make_head=flat_head) as engine:  # on the CPU a graphed piece runs eagerly
+        assert torch.isfinite(engine.step((dense, kjt), labels))
