@@ -89,3 +89,14 @@ def test_compile_dense_path_cuts_are_exact_and_close_keeps_the_compiled_modules(
     for name, fwd in compiled.items():
         assert model.get_submodule(name).__dict__["forward"] is fwd, name
     assert model(dense, kjt).shape == (len(labels), 1)
+
+
+def test_a_plan_named_without_the_wrappers_prefix_is_pointed_there():
+    from erase_tune import PlanError
+
+    dense, kjt, labels = batch()
+    compiled = torch.compile(two_tower(), backend="eager")
+    with pytest.raises(PlanError, match=r"^cuts\[0\]\.module: OptimizedModule has no submodule 'dense'; under its "
+                                        r"wrapper it is '_orig_mod\.dense'$"):
+        EraseEngine(compiled, ErasePlan(cuts=(Cut(module="dense"),)), loss_fn=nn.functional.binary_cross_entropy,
+                    example=((dense, kjt), labels))

@@ -102,3 +102,45 @@ def test_a_selector_that_does_not_fit_is_one_line(select, says, which):
     with pytest.raises(EraseTuneError) as e:  # the service's probe of a workload's candidates says the same
         probe(DLRMTrain(dlrm()), (b,), ["model.dense_arch"], **kw)
     assert str(e.value) == says
+
+
+WORKLOAD = '''
+import functools
+import torch
+from torch import nn
+from torchrec.models.dlrm import DLRMTrain
+from erase_tune.workloads import Workload, WorkloadData
+from tests.torchrec.models import dlrm, train_batch
+
+
+def _data(device):
+    batches = [((train_batch(size=16, seed=s),), train_batch(size=16, seed=s).labels) for s in range(4)]
+    return WorkloadData(train=batches, eval=batches[:2], prior_entropy=0.69)
+
+
+def workload() -> Workload:
+    return Workload(name="dlrm_train:workload", args={}, build_model=lambda: DLRMTrain(dlrm()),
+                    loss_fn=nn.functional.binary_cross_entropy_with_logits, make_data=_data,
+                    cut_candidates=("model.dense_arch",), batch_size=16,
+                    optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                    output=lambda out: out[1][1], model_loss=lambda out: out[0])
+'''
+
+
+def test_a_workload_says_which_output_is_the_prediction_and_which_the_loss(tmp_path):
+    """``erase-tune trial`` on a DLRMTrain workload: the workload's output= and model_loss= reach
+    the engine, the plain baseline and held-out NE."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.tune.conftest import ROOT
+
+    (tmp_path / "dlrm_train.py").write_text(WORKLOAD)
+    (tmp_path / "plan.yaml").write_text("cuts:\n  - {module: model.dense_arch}\n")
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "erase_tune", "trial", "--workload", "dlrm_train:workload",
+                           "--plan", "plan.yaml", "--device", "cpu", "--quality-steps", "8"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "plan: model.dense_arch@s0" in done.stdout and "NE gap" in done.stdout
