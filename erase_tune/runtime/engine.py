@@ -147,7 +147,8 @@ class EraseEngine:
             engine stays single-process. Pass the bare module, never a
             ``DistributedDataParallel`` wrapper (refused, and so is DDP nested inside the model,
             as ``DistributedModelParallel`` adds by default, under a plan with cuts, placements
-            or graphed pieces). Sparse gradients are refused.
+            or graphed pieces). Sparse gradients are refused, and so are tables sharded by
+            TorchRec's ``DistributedModelParallel`` (they differ from rank to rank).
         output: optional ``output(model_output) -> prediction`` for a model whose forward
             returns a structure (a tuple, a dict, TorchRec's ``DLRMTrain`` returning
             ``(loss, (loss, logits, labels))``): the main loss is then
@@ -206,6 +207,8 @@ class EraseEngine:
             )
         if plan.targets:
             _refuse_nested_ddp(model)
+        if process_group is not None:
+            _refuse_sharded(model)
         plan.check_model(model)
         self.model, self.plan, self.loss_fn, self.graph_warmup = model, plan, loss_fn, graph_warmup
         self.output, self.model_loss = output, model_loss
@@ -623,6 +626,19 @@ def _refuse_nested_ddp(model: nn.Module) -> None:
                 "DistributedModelParallel does by default): its reducer cannot follow the early backward passes of "
                 "a plan's pieces; build the model without that wrapper (DistributedModelParallel: pass a "
                 "data_parallel_wrapper that does not wrap, on one rank)"
+            )
+
+
+def _refuse_sharded(model: nn.Module) -> None:
+    """Tables sharded by TorchRec live on their own ranks: averaging them (or broadcasting rank
+    0's) across a process group would mix up different tables. Found by class, so that the
+    engine needs no TorchRec import."""
+    for name, m in model.named_modules():
+        if any(c.__name__ == "ShardedModule" and c.__module__.startswith("torchrec.") for c in type(m).__mro__):
+            raise EraseTuneError(
+                f"module {shown(name)} is sharded by TorchRec ({type(m).__name__}): its tables differ from rank to rank, "
+                "so the engine's process_group= averaging cannot take it; train a DistributedModelParallel model "
+                "under a plan on one rank, without process_group="
             )
 
 

@@ -99,3 +99,14 @@ def test_dmp_without_ddp_trains_its_fused_tables_and_refuses_starving_them():
                 engine.step((dense, kjt), labels)
             after = table_weights(model)
             assert all(not torch.equal(after[n], before[n]) for n in TABLES), name
+
+
+def test_sharded_tables_are_not_averaged_by_the_engine():
+    dense, kjt, labels = batch()
+    with one_rank_group():
+        model = dmp(dlrm(device="meta"), wrap_dense=False)
+        with pytest.raises(EraseTuneError) as e:
+            EraseEngine(model, ErasePlan(), loss_fn=logits_loss, optimizer=sgd,
+                        process_group=torch.distributed.group.WORLD)
+        assert str(e.value).startswith("module '_dmp_wrapped_module.sparse_arch.embedding_bag_collection' is sharded "
+                                       "by TorchRec (ShardedEmbeddingBagCollection)")
