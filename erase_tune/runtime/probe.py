@@ -417,8 +417,9 @@ class _Nodes:
         names = {id(p): n for n, p in named}
         by_storage: dict[int, list[str]] = {}
         for n, p in named:
-            if p.device.type != "meta":
-                by_storage.setdefault(p.untyped_storage().data_ptr(), []).append(n)
+            key = _storage(p)
+            if key is not None:
+                by_storage.setdefault(key, []).append(n)
         shared: dict[int, tuple[str, ...]] = {}
         self.index: dict[int, int] = {}
         self.nodes: list[Any] = []
@@ -438,8 +439,8 @@ class _Nodes:
                 self.leaves[id(variable)] = i
                 if id(variable) in names:
                     params[i] = names[id(variable)]
-                elif variable.device.type != "meta" and variable.numel():
-                    views = by_storage.get(variable.untyped_storage().data_ptr())
+                elif variable.numel():
+                    views = by_storage.get(_storage(variable))  # type: ignore[arg-type]
                     if views:
                         shared[i] = tuple(views)
             i += 1
@@ -458,6 +459,17 @@ class _Nodes:
         if t.grad_fn is not None:
             return self.index.get(id(t.grad_fn))
         return self.leaves.get(id(t))
+
+
+def _storage(t: Tensor) -> int | None:
+    """Where ``t``'s data lives (views of one flat table share it); None where that is not a
+    plain storage (meta tensors, sparse or distributed tensor subclasses)."""
+    if t.device.type == "meta" or t.layout != torch.strided:
+        return None
+    try:
+        return t.untyped_storage().data_ptr() or None
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
 
 
 def _facts(rec: _Record, nodes: _Nodes) -> _Facts:
