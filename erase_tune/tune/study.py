@@ -52,6 +52,7 @@ class Attr:
     WORKLOAD = "workload"
     GAIN_OVER = "gain_over"
     DRIVERS = "drivers_started"
+    REFERENCE_ERROR = "reference_error"  # why the whole-step graph cannot be captured; None: it can (CUDA only)
 
 
 _OLD_METRICS = {"gain_vs_eager": "gain_p90", "gain_vs_graph": "gain_vs_reference"}
