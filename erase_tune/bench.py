@@ -190,13 +190,13 @@ class _PlainLoop:
     def __init__(self, workload: Workload, init: torch.nn.Module, data: WorkloadData, device: torch.device):
         self.model = copy.deepcopy(init).to(device)
         self.optimizer = workload.optimizer(self.model.parameters())
-        self.loss_fn = workload.loss_fn
+        self.training_loss = workload.training_loss
         self.data = data
 
     def __call__(self, step: int) -> None:
         inputs, target = self.data.batch(step)
         self.optimizer.zero_grad()
-        self.loss_fn(self.model(*inputs), target).backward()
+        self.training_loss(self.model(*inputs), target).backward()
         self.optimizer.step()
 
 

@@ -205,6 +205,8 @@ def build_engine(workload: Workload, plan: ErasePlan, init: torch.nn.Module, dat
         make_head=workload.make_head,
         graph_warmup=GRAPH_WARMUP,
         process_group=process_group,
+        output=workload.output,
+        model_loss=workload.model_loss,
     )
 
 

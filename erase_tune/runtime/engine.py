@@ -59,9 +59,9 @@ from erase_tune.errors import EraseTuneError, PlanError, one_line, shown
 from erase_tune.runtime import device as dev
 from erase_tune.runtime.capture import StepGraph
 from erase_tune.runtime.join import LazyJoin
-from erase_tune.runtime.pieces import CutRunner, GraphedRunner, Passthrough, PlacedRunner, StepState
+from erase_tune.runtime.pieces import CutRunner, GraphedRunner, Passthrough, PlacedRunner, StepState, tensors_in
 from erase_tune.runtime.plan import ErasePlan, Placement
-from erase_tune.runtime.probe import ProbeResult, probe
+from erase_tune.runtime.probe import ProbeResult, probe, select_output
 from erase_tune.runtime.reduce import GradReducer, broadcast_from_rank0, refuse_sparse
 
 __all__ = ["EraseEngine", "LinearHead"]
@@ -104,6 +104,10 @@ class LinearHead(nn.Module):
 
 
 def _default_head(name: str, cut_out: Tensor, model_out: Tensor, *, activation: str = "none") -> nn.Module:
+    if not isinstance(model_out, Tensor):
+        raise PlanError(f"cut {shown(name)}: the model returns {type(model_out).__name__}, not one tensor, so the "
+                        "default aux head cannot match it: pass output= to pick the prediction out of it "
+                        "(or make_head with a head for this output)")
     squeeze = model_out.dim() == cut_out.dim() - 1
     out_features = 1 if squeeze else model_out.shape[-1]
     return LinearHead(cut_out.shape[-1], out_features, squeeze, activation)
@@ -141,7 +145,20 @@ class EraseEngine:
             of per-rank mean losses is then the mean over the global batch). ``None`` (the
             default) reduces nothing, even when ``torch.distributed`` is initialised: the
             engine stays single-process. Pass the bare module, never a
-            ``DistributedDataParallel`` wrapper (refused). Sparse gradients are refused.
+            ``DistributedDataParallel`` wrapper (refused, and so is DDP nested inside the model,
+            as ``DistributedModelParallel`` adds by default, under a plan with cuts, placements
+            or graphed pieces). Sparse gradients are refused, and so are tables sharded by
+            TorchRec's ``DistributedModelParallel`` (they differ from rank to rank).
+        output: optional ``output(model_output) -> prediction`` for a model whose forward
+            returns a structure (a tuple, a dict, TorchRec's ``DLRMTrain`` returning
+            ``(loss, (loss, logits, labels))``): the main loss is then
+            ``loss_fn(output(model_output), target)``, and the probe and the default aux
+            heads see the prediction alone. ``None`` (the default) hands ``loss_fn`` the
+            model's output as it is.
+        model_loss: optional ``model_loss(model_output) -> loss`` for a model that computes
+            its own loss (``DLRMTrain``: ``lambda out: out[0]``; its logits in ``out[1]`` are
+            detached): that is the main loss, and ``loss_fn`` serves the cuts' local losses
+            alone (give it the loss the model uses, on ``output=``'s prediction).
     """
 
     # -- what it trains, and how (set at construction, read-only after) -----------------------------
@@ -179,6 +196,8 @@ class EraseEngine:
         make_head: HeadFactory | None = None,
         graph_warmup: int = 3,
         process_group: Any = None,
+        output: Callable[[Any], Tensor] | None = None,
+        model_loss: Callable[[Any], Tensor] | None = None,
     ) -> None:
         if isinstance(model, nn.parallel.DistributedDataParallel):
             raise EraseTuneError(
@@ -186,8 +205,13 @@ class EraseEngine:
                 "process_group=...; the engine averages gradients itself (DDP's reducer does not expect the "
                 "early backward passes of detached pieces)"
             )
+        if plan.targets:
+            _refuse_nested_ddp(model)
+        if process_group is not None:
+            _refuse_sharded(model)
         plan.check_model(model)
         self.model, self.plan, self.loss_fn, self.graph_warmup = model, plan, loss_fn, graph_warmup
+        self.output, self.model_loss = output, model_loss
         params = list(model.parameters())
         self.device = params[0].device if params else torch.device("cpu")
         self.cuda = dev.is_cuda(self.device)
@@ -205,6 +229,10 @@ class EraseEngine:
             heads = self._build_heads(result, target, make_head)
             # Kept for the first step's check; the example's tensors are not needed any more.
             self._probe = dataclasses.replace(result, model_output=None, outputs={})
+        self._first_checked = False
+        self._reached: set[int] = set()  # ids of parameters a gradient was accumulated into
+        self._reach_hooks: list[Any] = []
+        self._watch_first_backward()
         self._head_modules = nn.ModuleList(heads.values())
         self.heads = MappingProxyType(heads)
         self._params = list(dict.fromkeys([*model.parameters(), *self._head_modules.parameters()]))
@@ -271,6 +299,9 @@ class EraseEngine:
             else:
                 m.forward = own
         self._patched = []
+        for handle in self._reach_hooks:
+            handle.remove()
+        self._reach_hooks = []
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
@@ -368,12 +399,12 @@ class EraseEngine:
                 if state.join is not None:
                     with state.join:
                         out = self.model(*inputs)
-                        main = self.loss_fn(out, target)
+                        main = self._main_loss(out, target)
                         total = main + sum(state.deferred) if state.deferred else main
                     state.join.clear()
                 else:
                     out = self.model(*inputs)
-                    main = self.loss_fn(out, target)
+                    main = self._main_loss(out, target)
                     total = main + sum(state.deferred) if state.deferred else main
                 if self._active is not None:
                     self._active.poll()
@@ -382,6 +413,7 @@ class EraseEngine:
             self._join_streams()
             if reducer is not None:
                 reducer.finish()
+            self._check_first_step()  # here too: a user's own step calls forward_backward alone
         finally:
             self.state = None
             self._active = None
@@ -408,7 +440,7 @@ class EraseEngine:
                             "graphed pieces against the model and size its aux heads")
         inputs, target = example
         targets = [t.module for t in self.plan.targets]
-        result = probe(self.model, _as_tuple(inputs), targets)
+        result = probe(self.model, _as_tuple(inputs), targets, output=self.output, model_loss=self.model_loss)
         result.check_plan(self.plan)
         return result, target
 
@@ -482,15 +514,49 @@ class EraseEngine:
                             "from the model's output to a trainable parameter")
         raise EraseTuneError("the loss does not require grad: no trainable parameter reaches the model's output")
 
+    def _main_loss(self, out: Any, target: Tensor) -> Tensor:
+        """``model_loss(out)`` if the model computes its own, else ``loss_fn`` on the prediction
+        (``output(out)`` if the engine has a selector)."""
+        if self.model_loss is not None:
+            return select_output(self.model_loss, out, "model_loss")
+        if self.output is None:
+            return self.loss_fn(out, target)
+        pred = select_output(self.output, out)
+        if torch.is_grad_enabled() and not pred.requires_grad and any(t.requires_grad for t in tensors_in(out)):
+            raise EraseTuneError("output=: the prediction it picks is detached in the model's output, so no loss on it "
+                                 "trains the model: pass model_loss= to pick the loss the model computes itself "
+                                 "(DLRMTrain: lambda out: out[0])")
+        return self.loss_fn(pred, target)
+
     def _check_first_step(self) -> None:
-        """After the first backward: every parameter the plain model trains has a gradient."""
-        if self._steps or self._probe is None:
+        """After the first backward: every parameter the plain model trains has a gradient, or
+        had one accumulated (an optimizer applied in backward then sets ``.grad`` to None);
+        tables a fused kernel updates have no gradient to see (the probe checked them)."""
+        if self._steps or self._probe is None or self._first_checked or (
+                self.cuda and torch.cuda.is_current_stream_capturing()):  # a whole-step capture: nothing to see
             return
+        self._first_checked = True
+        for handle in self._reach_hooks:
+            handle.remove()
+        self._reach_hooks = []
         named = dict(self.model.named_parameters())
         filled = self._reducer.filled if self._reducer is not None else set()
-        missing = [n for n in self._probe.trainable if named[n].grad is None or id(named[n]) in filled]
+        fused = set(self._probe.fused)
+        missing = [n for n in self._probe.trainable if n not in fused and (
+            (named[n].grad is None and id(named[n]) not in self._reached) or id(named[n]) in filled)]
+        self._reached = set()
         if missing:
             raise PlanError(self._probe.starved_message(self.plan, missing))
+
+    def _watch_first_backward(self) -> None:
+        """Note every parameter a gradient is accumulated into during the first backward."""
+        if self._probe is None:
+            return
+        named = dict(self.model.named_parameters())
+        for n in self._probe.trainable:
+            p = named[n]
+            if n not in self._probe.fused and p.is_leaf:
+                self._reach_hooks.append(p.register_post_accumulate_grad_hook(lambda t: self._reached.add(id(t))))
 
     def _named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         yield from self.model.named_parameters()
@@ -548,6 +614,32 @@ def _loss_on_cpu(loss_fn: Callable[[Tensor, Tensor], Tensor], pred: Tensor, targ
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return one_line(text[0] if text else type(e).__name__)[:200]
+
+
+def _refuse_nested_ddp(model: nn.Module) -> None:
+    """DDP inside the model reduces in its own order from autograd hooks, which a cut's early
+    backward fires mid-forward: one line naming the wrapped module instead of DDP's error."""
+    for name, m in model.named_modules():
+        if name and isinstance(m, nn.parallel.DistributedDataParallel):
+            raise EraseTuneError(
+                f"module {shown(name)} is wrapped in DistributedDataParallel inside the model (as "
+                "DistributedModelParallel does by default): its reducer cannot follow the early backward passes of "
+                "a plan's pieces; build the model without that wrapper (DistributedModelParallel: pass a "
+                "data_parallel_wrapper that does not wrap, on one rank)"
+            )
+
+
+def _refuse_sharded(model: nn.Module) -> None:
+    """Tables sharded by TorchRec live on their own ranks: averaging them (or broadcasting rank
+    0's) across a process group would mix up different tables. Found by class, so that the
+    engine needs no TorchRec import."""
+    for name, m in model.named_modules():
+        if any(c.__name__ == "ShardedModule" and c.__module__.startswith("torchrec.") for c in type(m).__mro__):
+            raise EraseTuneError(
+                f"module {shown(name)} is sharded by TorchRec ({type(m).__name__}): its tables differ from rank to rank, "
+                "so the engine's process_group= averaging cannot take it; train a DistributedModelParallel model "
+                "under a plan on one rank, without process_group="
+            )
 
 
 def _as_tuple(inputs: Any) -> tuple:

@@ -21,6 +21,7 @@ hands on are joined where first read (:mod:`erase_tune.runtime.join`).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -119,6 +120,9 @@ class _Piece:
         self.modules = list(modules)
         # Bound forwards captured before patching: the piece calls these directly.
         self.forwards = [m.forward for m in self.modules]
+        # What each module's instance dict held under "forward" (torch.compile's OptimizedModule,
+        # a user's own patch): a deep copy gets it back; None: the class's forward.
+        self.own_forwards = [m.__dict__.get("forward") for m in self.modules]
 
     def chain(self, args: tuple, kwargs: dict) -> Any:
         out = self.forwards[0](*args, **kwargs)
@@ -127,7 +131,7 @@ class _Piece:
         return out
 
     def __deepcopy__(self, memo: dict) -> Any:
-        return _unpatched_copy(self.modules[0], memo)
+        return _unpatched_copy(self.modules[0], self.own_forwards[0], memo)
 
     def _enter(self, stream: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict, list[Tensor]]:
         """Order ``stream`` after the work its inputs come from; the inputs, joins stripped."""
@@ -371,16 +375,20 @@ class Passthrough:
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
+        self.own = module.__dict__.get("forward")  # the instance forward it shadows, if any
 
     def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         return x
 
     def __deepcopy__(self, memo: dict) -> Any:
-        return _unpatched_copy(self.module, memo)
+        return _unpatched_copy(self.module, self.own, memo)
 
 
-def _unpatched_copy(module: nn.Module, memo: dict) -> Any:
+def _unpatched_copy(module: nn.Module, own: Any, memo: dict) -> Any:
     # A deep copy of a model with an engine attached is a plain model: its copied modules get
-    # their class's own forward back (copy.deepcopy registers the copy in memo before its state).
+    # back the forward they had before the engine (copy.deepcopy registers the copy in memo
+    # before its state): the instance one they held (a compiled module's), else their class's.
+    if own is not None:
+        return copy.deepcopy(own, memo)
     copied = memo.get(id(module), module)
     return type(copied).forward.__get__(copied)

@@ -514,6 +514,10 @@ def _read_targets(raw: Any, field: str, kind: type, *, bare: bool) -> tuple:
     return tuple(out)
 
 
+_WRAPPER_ATTRS = {"_dmp_wrapped_module", "module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"}
+"""Attribute names under which wrappers hold the module they wrap."""
+
+
 def _check_in_model(label: str, module: str, modules: Mapping[str, nn.Module], model_name: str) -> None:
     parent, run = _parse(module)
     if run is not None:
@@ -527,6 +531,12 @@ def _check_in_model(label: str, module: str, modules: Mapping[str, nn.Module], m
         if run[1] > len(container):
             raise PlanError(f"{label}: run {shown(module)} ends past {shown(name)}, which has {len(container)} blocks")
     elif module not in modules:
+        # A wrapper (DistributedModelParallel, DDP, FSDP, torch.compile) prefixes its module's names.
+        wrapped = [n for n in modules if n.endswith("." + module)
+                   and set(n[: -len(module) - 1].split(".")) <= _WRAPPER_ATTRS]
+        if wrapped:
+            raise PlanError(f"{label}: {model_name} has no submodule {shown(module)}; under its wrapper it is "
+                            f"{', '.join(shown(n) for n in wrapped[:3])}")
         depth = module.count(".")
         near = [n for n in modules if n and n.count(".") <= depth][:12]
         raise PlanError(

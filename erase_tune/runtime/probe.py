@@ -12,7 +12,11 @@ a compact copy of the autograd graph so that any plan over those targets can be 
 without running the model again. The engine and the tuning service share it.
 
 Gradient reachability is read off the graph: walking ``grad_fn.next_functions`` from the
-model output, an ``AccumulateGrad`` node's ``variable`` is the parameter it feeds. Under a
+model output, an ``AccumulateGrad`` node's ``variable`` is the parameter it feeds. A table
+that a fused kernel updates inside its backward (TorchRec's sharded and fused embedding
+tables, FBGEMM's table-batched embeddings) shows up as one flat leaf that the model's named
+parameters are views of: its node feeds every parameter sharing its storage, so those count
+as trained when a loss reaches the kernel, although their ``.grad`` stays ``None``. Under a
 plan the main walk stops at every cut's output node, and each cut's local walk starts at
 its output node and stops at its input nodes, as detaching does.
 """
@@ -30,10 +34,10 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from erase_tune.errors import PlanError, shown
+from erase_tune.errors import EraseTuneError, PlanError, one_line, shown
 from erase_tune.runtime.plan import ErasePlan, _check_in_model, _members
 
-__all__ = ["ProbeResult", "probe"]
+__all__ = ["ProbeResult", "probe", "select_output"]
 
 _NAMES_SHOWN = 5
 _VIEWS = {"ViewBackward", "SqueezeBackward", "UnsqueezeBackward", "ReshapeAliasBackward", "UnsafeViewBackward",
@@ -49,6 +53,9 @@ class _Graph:
     """For each node, the nodes its gradient flows to (``next_functions``)."""
     params: Mapping[int, str]
     """``AccumulateGrad`` nodes of the model's trainable parameters, by parameter name."""
+    shared: Mapping[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    """``AccumulateGrad`` nodes of leaves that are no named parameter but share storage with
+    some (a fused kernel's flat table): the parameters that are views of it."""
     roots: frozenset[int]
     """The nodes of the model output's tensors."""
     order: tuple[str, ...]
@@ -67,7 +74,9 @@ class _Graph:
         return seen
 
     def params_of(self, nodes: Iterable[int]) -> set[str]:
-        return {self.params[n] for n in nodes if n in self.params}
+        nodes = list(nodes)
+        found = {self.params[n] for n in nodes if n in self.params}
+        return found.union(*(self.shared[n] for n in nodes if n in self.shared))
 
     def ordered(self, names: set[str]) -> tuple[str, ...]:
         return tuple(n for n in self.order if n in names)
@@ -107,6 +116,8 @@ class ProbeResult:
     """The autograd graph of the probe forward."""
     trainable: tuple[str, ...]
     """Parameters the plain model's loss gives a gradient, by name, in the model's order."""
+    fused: tuple[str, ...] = ()
+    """Of ``trainable``, those a fused kernel updates in backward (their ``.grad`` stays None)."""
 
     def check_cut(self, target: str) -> None:
         """Raise a one-line :class:`PlanError` if ``target`` cannot be a cut."""
@@ -189,12 +200,17 @@ class ProbeResult:
         return trained
 
 
-def probe(model: nn.Module, inputs: tuple, targets: Sequence[str]) -> ProbeResult:
+def probe(model: nn.Module, inputs: tuple, targets: Sequence[str], *,
+          output: Callable[[Any], Tensor] | None = None,
+          model_loss: Callable[[Any], Tensor] | None = None) -> ProbeResult:
     """Run ``model(*inputs)`` once and record what each target (name or run) does in it.
 
     Targets may overlap (the service probes all candidates at once). A target that names no
-    module of ``model`` raises :class:`PlanError`.
+    module of ``model`` raises :class:`PlanError`. ``output`` picks the prediction out of a
+    structured model output (see :func:`select_output`); the checks and heads then see it alone.
+    ``model_loss`` picks the loss a model computes itself: gradient paths start there.
     """
+    select = output
     modules = dict(model.named_modules())
     model_name = type(model).__name__
     for target in targets:
@@ -203,10 +219,16 @@ def probe(model: nn.Module, inputs: tuple, targets: Sequence[str]) -> ProbeResul
     calls: dict[str, list[_Call]] = {m: [] for m in watched}
     with _recording(modules, calls), _eval(model), _forked_rng(model), torch.enable_grad():
         output = model(*inputs)
+    loss = select_output(model_loss, output, "model_loss") if model_loss is not None else None
+    if select is not None:
+        output = select_output(select, output)
     records = {t: _target_record(t, calls, model_name) for t in targets}
-    nodes = _Nodes(model, _tensor_leaves(output), [x for rec in records.values() for x in rec.outs])
+    nodes = _Nodes(model, _tensor_leaves(output if loss is None else loss),
+                   [x for rec in records.values() for x in rec.outs])
     facts = {t: _facts(rec, nodes) for t, rec in records.items()}
     graph = nodes.graph
+    trainable = graph.ordered(graph.params_of(graph.walk(graph.roots)))
+    fused = set().union(*graph.shared.values())
     return ProbeResult(
         model_name=model_name,
         model_output=tree_map(lambda x: x.detach() if isinstance(x, Tensor) else x, output),
@@ -214,8 +236,26 @@ def probe(model: nn.Module, inputs: tuple, targets: Sequence[str]) -> ProbeResul
         output_activation=_activation(output),
         facts=facts,
         graph=graph,
-        trainable=graph.ordered(graph.params_of(graph.walk(graph.roots))),
+        trainable=trainable,
+        fused=tuple(n for n in trainable if n in fused),
     )
+
+
+def select_output(output: Callable[[Any], Tensor], model_output: Any, label: str = "output") -> Tensor:
+    """``output(model_output)``, the prediction (or with ``label="model_loss"``, the loss) in a
+    structured model output; a one-line :class:`EraseTuneError` when the selector fails on it
+    or returns no tensor."""
+    what = type(model_output).__name__
+    try:
+        pred = output(model_output)
+    except (LookupError, AttributeError, TypeError, ValueError) as e:
+        text = str(e).strip().splitlines()
+        raise EraseTuneError(f"{label}=: fails on the model's output (a {what}): {type(e).__name__}: "
+                             f"{one_line(text[0]) if text else ''}".rstrip(": ")) from None
+    if not isinstance(pred, Tensor):
+        raise EraseTuneError(f"{label}=: returns {type(pred).__name__} from the model's output (a {what}), "
+                             f"but the {'loss' if label == 'model_loss' else 'prediction'} must be one tensor")
+    return pred
 
 
 # -- recording the forward ----------------------------------------------------------------------
@@ -373,7 +413,14 @@ class _Nodes:
     """
 
     def __init__(self, model: nn.Module, roots: Sequence[Tensor], extra: Sequence[Tensor]) -> None:
-        names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        names = {id(p): n for n, p in named}
+        by_storage: dict[int, list[str]] = {}
+        for n, p in named:
+            key = _storage(p)
+            if key is not None:
+                by_storage.setdefault(key, []).append(n)
+        shared: dict[int, tuple[str, ...]] = {}
         self.index: dict[int, int] = {}
         self.nodes: list[Any] = []
         root_ids = frozenset(self._number(t.grad_fn) for t in roots if t.grad_fn is not None)
@@ -392,8 +439,13 @@ class _Nodes:
                 self.leaves[id(variable)] = i
                 if id(variable) in names:
                     params[i] = names[id(variable)]
+                elif variable.numel():
+                    views = by_storage.get(_storage(variable))  # type: ignore[arg-type]
+                    if views:
+                        shared[i] = tuple(views)
             i += 1
-        self.graph = _Graph(children=tuple(children), params=params, roots=root_ids, order=tuple(names.values()))
+        self.graph = _Graph(children=tuple(children), params=params, roots=root_ids, order=tuple(names.values()),
+                            shared=shared)
 
     def _number(self, node: Any) -> int:
         key = id(node)
@@ -407,6 +459,17 @@ class _Nodes:
         if t.grad_fn is not None:
             return self.index.get(id(t.grad_fn))
         return self.leaves.get(id(t))
+
+
+def _storage(t: Tensor) -> int | None:
+    """Where ``t``'s data lives (views of one flat table share it); None where that is not a
+    plain storage (meta tensors, sparse or distributed tensor subclasses)."""
+    if t.device.type == "meta" or t.layout != torch.strided:
+        return None
+    try:
+        return t.untyped_storage().data_ptr() or None
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
 
 
 def _facts(rec: _Record, nodes: _Nodes) -> _Facts:

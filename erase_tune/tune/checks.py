@@ -61,7 +61,7 @@ def check_space(space: SearchSpace) -> CheckedSpace:
         except EraseTuneError as e:
             raise EraseTuneError(f"{space.source}: cuts.candidates: {str(e).split(': ', 1)[-1]}") from None
     inputs, _ = workload.example(torch.device("cpu"))
-    found = probe(model, tuple(inputs), candidates)
+    found = probe(model, tuple(inputs), candidates, output=workload.output, model_loss=workload.model_loss)
     base_guard = _guard(found)
     never: set[str] = set()  # candidates no plan may detach: offered their other modes only
     greedy: list[Cut] = []  # every earlier candidate that can be detached, detached

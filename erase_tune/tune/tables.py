@@ -41,9 +41,17 @@ def trial_table(result: TrialResult) -> str:
     if result.reference_error is not None:
         lines.append(f"whole-step-graph baseline left out: {result.reference_error}")
     if prov.get("data_passes", 0) > 1:
-        lines.append(f"note: training read its batches {prov['data_passes']:.1f} times (raise the workload's "
-                     "train_batches for one pass; a second pass can over-fit and skew NE)")
+        lines.append(f"note: training read its batches {prov['data_passes']:.1f} times ({_more_batches(prov)} "
+                     "for one pass; a second pass can over-fit and skew NE)")
     return "\n".join(lines)
+
+
+def _more_batches(prov: dict) -> str:
+    """How to give training more batches, in the words of the workload's own arguments."""
+    args = prov.get("workload_args") or {}
+    if "train_batches" in args:  # the built-ins
+        return "raise the workload's train_batches"
+    return "give the workload more training batches than the trial takes steps"
 
 
 def progress_line(p: Progress) -> str:

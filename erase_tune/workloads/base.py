@@ -77,6 +77,27 @@ class Workload:
     values as valid: ids in range, labels in the label set), for probing the model and
     sizing aux heads without building the whole data pool; None falls back to
     ``make_data(device).batch(0)``. See :meth:`example`."""
+    output: Callable[[Any], Tensor] | None = None
+    """Optional: picks the prediction out of a model output that is a structure (a tuple,
+    TorchRec's ``DLRMTrain`` returning ``(loss, (loss, logits, labels))``): ``loss_fn`` and
+    the aux heads then see ``output(model(*inputs))``. None: the model's output as it is
+    (``EraseEngine``'s ``output=``)."""
+
+    model_loss: Callable[[Any], Tensor] | None = None
+    """Optional: picks the loss out of the output of a model that computes its own
+    (``DLRMTrain``: ``lambda out: out[0]``): the main loss of training; ``loss_fn`` (on
+    ``output``'s prediction) then serves the cuts' local losses and held-out NE
+    (``EraseEngine``'s ``model_loss=``)."""
+
+    def prediction(self, model_output: Any) -> Any:
+        """What ``loss_fn`` takes from one model output: ``output(model_output)``, or itself."""
+        return model_output if self.output is None else self.output(model_output)
+
+    def training_loss(self, model_output: Any, target: Tensor) -> Tensor:
+        """The main loss of a plain training step on one model output."""
+        if self.model_loss is not None:
+            return self.model_loss(model_output)
+        return self.loss_fn(self.prediction(model_output), target)
 
     def example(self, device: torch.device) -> Batch:
         """One batch shaped like a training batch, on ``device``: ``make_example(device)``
@@ -92,7 +113,7 @@ class Workload:
         total, count = 0.0, 0
         with torch.no_grad():
             for inputs, target in data.eval:
-                total += float(self.loss_fn(model(*inputs), target)) * len(target)
+                total += float(self.loss_fn(self.prediction(model(*inputs)), target)) * len(target)
                 count += len(target)
         model.train(was_training)
         return total / count / data.prior_entropy

@@ -20,12 +20,18 @@ from tests.tune.conftest import ROOT
 
 DOC = ROOT / "docs" / "workloads.md"
 BLOCK = re.compile(r"```(\w*)\n(.*?)```", re.S)
+TORCHREC = "\n## 8. TorchRec models\n"  # its own test: tests/torchrec/test_workloads_doc.py
+
+
+def page() -> str:
+    """The page up to its TorchRec section."""
+    return DOC.read_text().split(TORCHREC)[0]
 
 
 def doc_files() -> dict[str, str]:
     """``path -> text`` of every code block that starts with ``# file: <path>``."""
     out = {}
-    for _, body in BLOCK.findall(DOC.read_text()):
+    for _, body in BLOCK.findall(page()):
         first = body.splitlines()[0]
         if first.startswith("# file: "):
             out[first.removeprefix("# file: ").strip()] = body
@@ -34,7 +40,7 @@ def doc_files() -> dict[str, str]:
 
 def doc_commands() -> list[str]:
     """Every line of the page's ``sh`` blocks, in order."""
-    return [line for lang, body in BLOCK.findall(DOC.read_text()) if lang == "sh"
+    return [line for lang, body in BLOCK.findall(page()) if lang == "sh"
             for line in body.splitlines() if line.strip()]
 
 
