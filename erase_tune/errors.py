@@ -9,7 +9,7 @@ the line or flood the terminal.
 
 from __future__ import annotations
 
-__all__ = ["EraseTuneError", "PlanError", "WorkloadError", "CaptureError", "shown", "one_line"]
+__all__ = ["EraseTuneError", "PlanError", "WorkloadError", "CaptureError", "shown", "one_line", "first_line"]
 
 
 class EraseTuneError(Exception):
@@ -51,3 +51,9 @@ def shown(value: object, limit: int = 80) -> str:
     except Exception:  # noqa: BLE001 (a user object's own __repr__ may raise anything)
         text = f"<a {type(value).__name__}>"
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def first_line(e: BaseException, limit: int = 200) -> str:
+    """An exception's first line of text (its type's name if it has none), for a one-line error."""
+    text = str(e).strip().splitlines()
+    return one_line(text[0] if text else type(e).__name__)[:limit]

@@ -1,7 +1,8 @@
 """The ERASE runtime: plans (where to cut and place), the probe that checks a plan against its
 model, and the engine that trains a model under a plan."""
 
-from erase_tune.runtime.engine import EraseEngine, LinearHead
+from erase_tune.runtime.engine import EraseEngine
+from erase_tune.runtime.heads import LinearHead
 from erase_tune.runtime.plan import (
     DISPATCH_MODES,
     MAX_RUN,

@@ -46,71 +46,30 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from types import MappingProxyType
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from erase_tune.errors import EraseTuneError, PlanError, one_line, shown
+from erase_tune.errors import EraseTuneError, PlanError, shown
 from erase_tune.runtime import device as dev
 from erase_tune.runtime.capture import StepGraph
+from erase_tune.runtime.heads import HeadFactory, LinearHead, build_heads
 from erase_tune.runtime.join import LazyJoin
-from erase_tune.runtime.pieces import CutRunner, GraphedRunner, Passthrough, PlacedRunner, StepState, tensors_in
+from erase_tune.runtime.pieces import CutRunner, GraphedRunner, Launcher, Passthrough, PlacedRunner, StepState, tensors_in
 from erase_tune.runtime.plan import ErasePlan, Placement
-from erase_tune.runtime.probe import ProbeResult, probe, select_output
-from erase_tune.runtime.reduce import GradReducer, broadcast_from_rank0, refuse_sparse
+from erase_tune.runtime.probe import FirstStepCheck, ProbeResult, probe, select_output
+from erase_tune.runtime.reduce import (GradReducer, broadcast_from_rank0, plan_reducer, refuse_nested_ddp,
+                                       refuse_sharded, refuse_sparse)
 
 __all__ = ["EraseEngine", "LinearHead"]
 
-HeadFactory = Callable[[str, Tensor, Tensor], nn.Module]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
-_ACTIVATIONS: Mapping[str, Callable[[Tensor], Tensor] | None] = {
-    "none": None,
-    "sigmoid": torch.sigmoid,
-    "softmax": functools.partial(torch.softmax, dim=-1),
-    "log_softmax": functools.partial(torch.log_softmax, dim=-1),
-}
 _NAMES_SHOWN = 5
-
-
-class LinearHead(nn.Module):
-    """Default aux head: a linear map from the cut's output features to the model's output.
-
-    (…, d) → (…, k) where k is the model output's last dim; a 1-D model output (B,) is
-    matched by mapping to one feature and squeezing it. ``activation`` repeats the one the
-    model's output ends in (``sigmoid``, ``softmax`` or ``log_softmax`` over the last dim),
-    so the head produces what ``loss_fn`` takes: probabilities for BCE, logits otherwise.
-    """
-
-    def __init__(self, in_features: int, out_features: int, squeeze: bool, activation: str = "none") -> None:
-        super().__init__()
-        if activation not in _ACTIVATIONS:
-            raise ValueError(f"activation must be one of {', '.join(_ACTIVATIONS)}, got {activation!r}")
-        self.proj = nn.Linear(in_features, out_features)
-        self.squeeze = squeeze
-        self.activation = activation
-
-    def forward(self, x: Tensor) -> Tensor:
-        y = self.proj(x)
-        if self.squeeze:
-            y = y.squeeze(-1)
-        act = _ACTIVATIONS[self.activation]
-        return act(y) if act is not None else y
-
-
-def _default_head(name: str, cut_out: Tensor, model_out: Tensor, *, activation: str = "none") -> nn.Module:
-    if not isinstance(model_out, Tensor):
-        raise PlanError(f"cut {shown(name)}: the model returns {type(model_out).__name__}, not one tensor, so the "
-                        "default aux head cannot match it: pass output= to pick the prediction out of it "
-                        "(or make_head with a head for this output)")
-    squeeze = model_out.dim() == cut_out.dim() - 1
-    out_features = 1 if squeeze else model_out.shape[-1]
-    return LinearHead(cut_out.shape[-1], out_features, squeeze, activation)
 
 
 class EraseEngine:
@@ -206,9 +165,9 @@ class EraseEngine:
                 "early backward passes of detached pieces)"
             )
         if plan.targets:
-            _refuse_nested_ddp(model)
+            refuse_nested_ddp(model)
         if process_group is not None:
-            _refuse_sharded(model)
+            refuse_sharded(model)
         plan.check_model(model)
         self.model, self.plan, self.loss_fn, self.graph_warmup = model, plan, loss_fn, graph_warmup
         self.output, self.model_loss = output, model_loss
@@ -219,20 +178,16 @@ class EraseEngine:
         self.state = None
         self.capture_retries = 0
         self._steps = 0
-        self._pool: ThreadPoolExecutor | None = None
-        self._pending: list[Future] = []  # threaded dispatch: backward passes in flight
+        self._launcher = Launcher(self.device)
 
-        self._probe: ProbeResult | None = None
+        self._first_step: FirstStepCheck | None = None
         heads: dict[str, nn.Module] = {}
         if plan.targets:
             result, target = self._check_plan(example)
-            heads = self._build_heads(result, target, make_head)
+            heads = build_heads(plan.cuts, result.outputs, result.model_output, result.output_activation, target,
+                                loss_fn, make_head)
             # Kept for the first step's check; the example's tensors are not needed any more.
-            self._probe = dataclasses.replace(result, model_output=None, outputs={})
-        self._first_checked = False
-        self._reached: set[int] = set()  # ids of parameters a gradient was accumulated into
-        self._reach_hooks: list[Any] = []
-        self._watch_first_backward()
+            self._first_step = FirstStepCheck(dataclasses.replace(result, model_output=None, outputs={}), model)
         self._head_modules = nn.ModuleList(heads.values())
         self.heads = MappingProxyType(heads)
         self._params = list(dict.fromkeys([*model.parameters(), *self._head_modules.parameters()]))
@@ -258,7 +213,8 @@ class EraseEngine:
         self._patched: list[tuple[nn.Module, Any]] = []  # (module, the instance forward it had, if any)
         self._cut_runners = self._patch_plan(heads, whole)
         if process_group is not None:
-            self._reducer = self._make_reducer(process_group)
+            self._reducer = plan_reducer(process_group, self.plan, self._cut_runners, self.model,
+                                         self._head_modules, dict(self._named_parameters()), self.device)
 
     # -- public API ------------------------------------------------------------------------------
 
@@ -299,12 +255,9 @@ class EraseEngine:
             else:
                 m.forward = own
         self._patched = []
-        for handle in self._reach_hooks:
-            handle.remove()
-        self._reach_hooks = []
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        if self._first_step is not None:
+            self._first_step.close()
+        self._launcher.close()
 
     def __enter__(self) -> EraseEngine:
         return self
@@ -319,23 +272,14 @@ class EraseEngine:
 
     def drain_workers(self) -> None:
         """Wait for the worker thread's backward passes to be queued (re-raising their errors)."""
-        pending, self._pending = self._pending, []
-        for f in pending:
-            f.result()  # re-raises a worker's exception in the training thread
+        self._launcher.drain()
 
     def launch_backward(self, aux: Tensor, stream: Any, index: int) -> None:
         mode = self.state.dispatch if self.state is not None else self.plan.dispatch
         if mode == "deferred":
             self.state.deferred.append(aux)  # type: ignore[union-attr]  # its reduction waits for the main backward
-        elif mode == "threaded":
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="erase-bwd", initializer=self._init_worker)
-            future = self._pool.submit(_backward_on, aux, stream)
-            self._pending.append(future)
-            self.cut_backward_done(index, stream, future)
         else:
-            _backward_on(aux, stream)
-            self.cut_backward_done(index, stream, None)
+            self.cut_backward_done(index, stream, self._launcher.launch(aux, stream, threaded=mode == "threaded"))
 
     def cut_backward_done(self, index: int, stream: Any, future: Future | None) -> None:
         """Cut ``index``'s local backward is queued (or, with ``future``, will be): under a process
@@ -381,7 +325,8 @@ class EraseEngine:
 
     def abandon_step(self) -> None:
         """Forget a step that failed part way (a capture that did not complete)."""
-        self.state, self._pending = None, []
+        self.state = None
+        self._launcher.forget()
 
     # -- the forward and backward ------------------------------------------------------------------
 
@@ -444,39 +389,6 @@ class EraseEngine:
         result.check_plan(self.plan)
         return result, target
 
-    def _build_heads(self, result: ProbeResult, target: Tensor, make_head: HeadFactory | None) -> dict[str, nn.Module]:
-        factory = make_head or functools.partial(_default_head, activation=result.output_activation)
-        heads: dict[str, nn.Module] = {}
-        for cut in self.plan.cuts:
-            out = result.outputs[cut.name]
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(zlib.crc32(cut.name.encode()))  # same head init in every engine
-                head = factory(cut.name, out, result.model_output).to(device=out.device, dtype=out.dtype)
-            self._check_head(cut.name, head, out, result.model_output, target)
-            heads[cut.name] = head
-        return heads
-    def _check_head(self, name: str, head: nn.Module, out: Tensor, model_out: Any, target: Tensor) -> None:
-        fix = "pass make_head with a head for this cut"
-        with torch.no_grad():
-            try:
-                pred = head(out)
-            except (RuntimeError, ValueError, TypeError, IndexError) as e:
-                raise PlanError(f"cut {shown(name)}: the aux head fails on the cut's output "
-                                f"({_first_line(e)}); {fix}") from None
-            shape = tuple(getattr(model_out, "shape", ()))
-            if not isinstance(pred, Tensor) or tuple(pred.shape) != shape:
-                got = tuple(pred.shape) if isinstance(pred, Tensor) else type(pred).__name__
-                raise PlanError(f"cut {shown(name)}: aux head maps output {tuple(out.shape)} to {got}, "
-                                f"but the model's output is {shape}; {fix}")
-            try:
-                loss = _loss_on_cpu(self.loss_fn, pred, target)
-            except (RuntimeError, ValueError, TypeError, IndexError) as e:
-                raise PlanError(f"cut {shown(name)}: loss_fn does not take the aux head's output "
-                                f"({_first_line(e)}); {fix} whose output loss_fn takes") from None
-            if not isinstance(loss, Tensor) or not bool(torch.isfinite(loss).all()):
-                raise PlanError(f"cut {shown(name)}: loss_fn gives {shown(loss)} on the aux head's output for the "
-                                f"example batch; {fix} whose output loss_fn takes (or fix the loss, if it is at fault)")
-
     # -- internals --------------------------------------------------------------------------------
 
     def _patch_plan(self, heads: Mapping[str, nn.Module], whole: bool) -> list[CutRunner]:
@@ -529,117 +441,16 @@ class EraseEngine:
         return self.loss_fn(pred, target)
 
     def _check_first_step(self) -> None:
-        """After the first backward: every parameter the plain model trains has a gradient, or
-        had one accumulated (an optimizer applied in backward then sets ``.grad`` to None);
-        tables a fused kernel updates have no gradient to see (the probe checked them)."""
-        if self._steps or self._probe is None or self._first_checked or (
-                self.cuda and torch.cuda.is_current_stream_capturing()):  # a whole-step capture: nothing to see
-            return
-        self._first_checked = True
-        for handle in self._reach_hooks:
-            handle.remove()
-        self._reach_hooks = []
-        named = dict(self.model.named_parameters())
-        filled = self._reducer.filled if self._reducer is not None else set()
-        fused = set(self._probe.fused)
-        missing = [n for n in self._probe.trainable if n not in fused and (
-            (named[n].grad is None and id(named[n]) not in self._reached) or id(named[n]) in filled)]
-        self._reached = set()
-        if missing:
-            raise PlanError(self._probe.starved_message(self.plan, missing))
-
-    def _watch_first_backward(self) -> None:
-        """Note every parameter a gradient is accumulated into during the first backward."""
-        if self._probe is None:
-            return
-        named = dict(self.model.named_parameters())
-        for n in self._probe.trainable:
-            p = named[n]
-            if n not in self._probe.fused and p.is_leaf:
-                self._reach_hooks.append(p.register_post_accumulate_grad_hook(lambda t: self._reached.add(id(t))))
+        """After the first backward: every parameter the plain model trains was reached."""
+        check = self._first_step
+        if self._steps or check is None or check.done or (self.cuda and torch.cuda.is_current_stream_capturing()):
+            return  # (a whole-step capture: nothing to see)
+        check.check(self.plan, self._reducer.filled if self._reducer is not None else set())
 
     def _named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         yield from self.model.named_parameters()
         for name, head in self.heads.items():
             yield from ((f"head[{name}].{n}", p) for n, p in head.named_parameters())
-    def _make_reducer(self, group: Any) -> GradReducer:
-        """Per cut, the parameters registered only under its modules, and its head's; the rest."""
-        names = {id(p): n for n, p in self._named_parameters()}
-        trainable = [p for p in dict.fromkeys(self.parameters()) if p.requires_grad]
-        owners: dict[int, list[str]] = {}
-        for mname, m in self.model.named_modules(remove_duplicate=False):
-            for p in m._parameters.values():
-                if p is not None:
-                    owners.setdefault(id(p), []).append(mname)
-        cut_params: list[list[nn.Parameter]] = []
-        if not self.plan.find_unused_parameters:
-            for runner in self._cut_runners:
-                members = runner.cut.members
-                own = [p for m in runner.modules for p in m.parameters() if p.requires_grad]
-                inside = [p for p in own
-                          if all(any(o == m or o.startswith(m + ".") for m in members) for o in owners[id(p)])]
-                head = [p for p in runner.head.parameters() if p.requires_grad]
-                cut_params.append(list(dict.fromkeys([*inside, *head])))
-        early = {id(p) for ps in cut_params for p in ps}
-        rest = [p for p in trainable if id(p) not in early]
-        return GradReducer(group, [c.name for c in self.plan.cuts] if cut_params else [], cut_params, rest,
-                           names, self.device)
-
-    def _init_worker(self) -> None:
-        if self.cuda:  # a worker thread does not inherit the current device
-            torch.cuda.set_device(self.device)
-
-
-
-def _backward_on(aux: Tensor, stream) -> None:
-    # The gradient seed is created on the current stream: make it the cut's stream.
-    with dev.use_stream(stream):
-        aux.backward()
-
-
-def _loss_on_cpu(loss_fn: Callable[[Tensor, Tensor], Tensor], pred: Tensor, target: Tensor) -> Any:
-    """``loss_fn(pred, target)``, on CPU copies where the loss allows: a CUDA loss kernel given
-    out-of-range input (BCE on logits) fails with a device-side assert that ends the process's
-    CUDA context, while on the CPU it is an ordinary error."""
-    if pred.device.type == "cpu":
-        return loss_fn(pred, target)
-    try:
-        return loss_fn(pred.cpu(), target.cpu())
-    except (RuntimeError, ValueError, TypeError, IndexError) as e:
-        if "device" not in str(e):
-            raise
-    return loss_fn(pred, target)  # the loss holds device state of its own (a weight, a module)
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return one_line(text[0] if text else type(e).__name__)[:200]
-
-
-def _refuse_nested_ddp(model: nn.Module) -> None:
-    """DDP inside the model reduces in its own order from autograd hooks, which a cut's early
-    backward fires mid-forward: one line naming the wrapped module instead of DDP's error."""
-    for name, m in model.named_modules():
-        if name and isinstance(m, nn.parallel.DistributedDataParallel):
-            raise EraseTuneError(
-                f"module {shown(name)} is wrapped in DistributedDataParallel inside the model (as "
-                "DistributedModelParallel does by default): its reducer cannot follow the early backward passes of "
-                "a plan's pieces; build the model without that wrapper (DistributedModelParallel: pass a "
-                "data_parallel_wrapper that does not wrap, on one rank)"
-            )
-
-
-def _refuse_sharded(model: nn.Module) -> None:
-    """Tables sharded by TorchRec live on their own ranks: averaging them (or broadcasting rank
-    0's) across a process group would mix up different tables. Found by class, so that the
-    engine needs no TorchRec import."""
-    for name, m in model.named_modules():
-        if any(c.__name__ == "ShardedModule" and c.__module__.startswith("torchrec.") for c in type(m).__mro__):
-            raise EraseTuneError(
-                f"module {shown(name)} is sharded by TorchRec ({type(m).__name__}): its tables differ from rank to rank, "
-                "so the engine's process_group= averaging cannot take it; train a DistributedModelParallel model "
-                "under a plan on one rank, without process_group="
-            )
 
 
 def _as_tuple(inputs: Any) -> tuple:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 import torch
@@ -36,7 +36,7 @@ from erase_tune.runtime import device as dev
 from erase_tune.runtime.join import LazyJoin, Pending
 from erase_tune.runtime.plan import Cut, Graphed, Placement
 
-__all__ = ["Host", "StepState", "CutRunner", "PlacedRunner", "GraphedRunner", "Passthrough", "tensors_in"]
+__all__ = ["Host", "StepState", "Launcher", "CutRunner", "PlacedRunner", "GraphedRunner", "Passthrough", "tensors_in"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -110,6 +110,51 @@ def _plain(tree: Any) -> Any:
     if isinstance(tree, dict):
         return {k: _plain(v) for k, v in tree.items()}
     return tree
+
+
+class Launcher:
+    """Who launches a cut's early backward: the training thread (``blocking``), or one worker
+    thread (``threaded``) so the training thread keeps dispatching the forward."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: list[Future] = []  # backward passes the worker has not queued yet
+
+    def launch(self, aux: Tensor, stream: Any, *, threaded: bool) -> Future | None:
+        """``aux.backward()`` on ``stream``; with ``threaded``, on the worker (its future returned)."""
+        if not threaded:
+            _backward_on(aux, stream)
+            return None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="erase-bwd", initializer=self._init_worker)
+        future = self._pool.submit(_backward_on, aux, stream)
+        self._pending.append(future)
+        return future
+
+    def drain(self) -> None:
+        """Wait until the worker has queued every backward it was given (re-raising its errors)."""
+        pending, self._pending = self._pending, []
+        for f in pending:
+            f.result()  # re-raises a worker's exception in the training thread
+
+    def forget(self) -> None:
+        self._pending = []
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def _init_worker(self) -> None:
+        if dev.is_cuda(self.device):  # a worker thread does not inherit the current device
+            torch.cuda.set_device(self.device)
+
+
+def _backward_on(aux: Tensor, stream: Any) -> None:
+    # The gradient seed is created on the current stream: make it the cut's stream.
+    with dev.use_stream(stream):
+        aux.backward()
 
 
 class _Piece:

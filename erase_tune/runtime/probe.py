@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from erase_tune.errors import EraseTuneError, PlanError, one_line, shown
 from erase_tune.runtime.plan import ErasePlan, _check_in_model, _members
 
-__all__ = ["ProbeResult", "probe", "select_output"]
+__all__ = ["ProbeResult", "FirstStepCheck", "probe", "select_output"]
 
 _NAMES_SHOWN = 5
 _VIEWS = {"ViewBackward", "SqueezeBackward", "UnsqueezeBackward", "ReshapeAliasBackward", "UnsafeViewBackward",
@@ -198,6 +198,41 @@ class ProbeResult:
             local_stop = (outs - f.out_nodes) | f.in_nodes
             trained |= self.graph.params_of(self.graph.walk(f.out_nodes, local_stop))
         return trained
+
+
+
+class FirstStepCheck:
+    """After an engine's first backward: every parameter the plain model trains was reached.
+
+    A parameter counts as reached when it holds a gradient, or when one was accumulated into
+    it during that backward (an optimizer applied in backward then sets ``.grad`` back to
+    None: hooks note it); tables a fused kernel updates have no gradient to see (the probe
+    checked them). Under a process group, a gradient the reducer filled with zeros is none.
+    """
+
+    def __init__(self, result: ProbeResult, model: nn.Module) -> None:
+        self.result, self.model, self.done = result, model, False
+        self._reached: set[int] = set()
+        named = dict(model.named_parameters())
+        self._hooks = [named[n].register_post_accumulate_grad_hook(lambda t: self._reached.add(id(t)))
+                       for n in result.trainable if n not in result.fused and named[n].is_leaf]
+
+    def check(self, plan: ErasePlan, filled: set[int]) -> None:
+        """Raise the one-line starvation error for the parameters the first step left untrained."""
+        self.done = True
+        self.close()
+        named = dict(self.model.named_parameters())
+        fused = set(self.result.fused)
+        missing = [n for n in self.result.trainable if n not in fused and (
+            (named[n].grad is None and id(named[n]) not in self._reached) or id(named[n]) in filled)]
+        self._reached = set()
+        if missing:
+            raise PlanError(self.result.starved_message(plan, missing))
+
+    def close(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
 
 def probe(model: nn.Module, inputs: tuple, targets: Sequence[str], *,

@@ -34,7 +34,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from erase_tune.errors import EraseTuneError, PlanError, shown
 from erase_tune.runtime import device as dev
 
-__all__ = ["GradReducer", "broadcast_from_rank0", "refuse_sparse"]
+__all__ = ["GradReducer", "broadcast_from_rank0", "refuse_sparse", "plan_reducer", "refuse_nested_ddp", "refuse_sharded"]
 
 
 def _buckets(tensors: Sequence[Tensor]) -> list[list[int]]:
@@ -191,3 +191,52 @@ class GradReducer:
             for g, v in zip(grads, _unflatten_dense_tensors(item.flat, grads)):
                 g.copy_(v)  # type: ignore[union-attr]
 
+def plan_reducer(group: Any, plan: Any, cut_runners: Sequence[Any], model: nn.Module, heads: nn.Module,
+                 named: dict[str, nn.Parameter], device: torch.device) -> GradReducer:
+    """The reducer of an engine's plan: per cut, the parameters registered only under its
+    modules, and its head's (reduced early unless ``find_unused_parameters``); the rest."""
+    names = {id(p): n for n, p in named.items()}
+    trainable = [p for p in dict.fromkeys([*model.parameters(), *heads.parameters()]) if p.requires_grad]
+    owners: dict[int, list[str]] = {}
+    for mname, m in model.named_modules(remove_duplicate=False):
+        for p in m._parameters.values():
+            if p is not None:
+                owners.setdefault(id(p), []).append(mname)
+    cut_params: list[list[nn.Parameter]] = []
+    if not plan.find_unused_parameters:
+        for runner in cut_runners:
+            members = runner.cut.members
+            own = [p for m in runner.modules for p in m.parameters() if p.requires_grad]
+            inside = [p for p in own
+                      if all(any(o == m or o.startswith(m + ".") for m in members) for o in owners[id(p)])]
+            head = [p for p in runner.head.parameters() if p.requires_grad]
+            cut_params.append(list(dict.fromkeys([*inside, *head])))
+    early = {id(p) for ps in cut_params for p in ps}
+    rest = [p for p in trainable if id(p) not in early]
+    return GradReducer(group, [c.name for c in plan.cuts] if cut_params else [], cut_params, rest, names, device)
+
+
+def refuse_nested_ddp(model: nn.Module) -> None:
+    """DDP inside the model reduces in its own order from autograd hooks, which a cut's early
+    backward fires mid-forward: one line naming the wrapped module instead of DDP's error."""
+    for name, m in model.named_modules():
+        if name and isinstance(m, nn.parallel.DistributedDataParallel):
+            raise EraseTuneError(
+                f"module {shown(name)} is wrapped in DistributedDataParallel inside the model (as "
+                "DistributedModelParallel does by default): its reducer cannot follow the early backward passes of "
+                "a plan's pieces; build the model without that wrapper (DistributedModelParallel: pass a "
+                "data_parallel_wrapper that does not wrap, on one rank)"
+            )
+
+
+def refuse_sharded(model: nn.Module) -> None:
+    """Tables sharded by TorchRec live on their own ranks: averaging them (or broadcasting rank
+    0's) across a process group would mix up different tables. Found by class, so that the
+    engine needs no TorchRec import."""
+    for name, m in model.named_modules():
+        if any(c.__name__ == "ShardedModule" and c.__module__.startswith("torchrec.") for c in type(m).__mro__):
+            raise EraseTuneError(
+                f"module {shown(name)} is sharded by TorchRec ({type(m).__name__}): its tables differ from rank to rank, "
+                "so the engine's process_group= averaging cannot take it; train a DistributedModelParallel model "
+                "under a plan on one rank, without process_group="
+            )

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from erase_tune import Cut, EraseEngine, ErasePlan, EraseTuneError, Placement
-from erase_tune.runtime import engine as engine_module
+from erase_tune.runtime import pieces as pieces_module
 from tests.runtime.models import Toy, loss_fn, toy_batch
 
 CUTS = (
@@ -75,7 +75,7 @@ def train(plan: ErasePlan, rank: int | None, world: int, group, model_seed: int 
     engine = EraseEngine(model, plan, loss_fn=loss_fn, optimizer=sgd, example=batch(0, rank, world),
                          process_group=group)
     if pool is not None:
-        engine._pool = pool
+        engine._launcher._pool = pool
     losses = [float(engine.step(*batch(step, rank, world))) for step in range(STEPS)]
     out = snapshot(engine, losses)
     engine.close()
@@ -88,7 +88,7 @@ def completion_order_case(rank: int, world: int) -> dict:
     calls = {"n": 0}
     lock = threading.Lock()
     slow = {0: 2, 1: 0}[rank]  # rank 0 delays its third cut's backward, rank 1 its first
-    real = engine_module._backward_on
+    real = pieces_module._backward_on
 
     def backward_on(aux, stream):
         with lock:
@@ -100,12 +100,12 @@ def completion_order_case(rank: int, world: int) -> dict:
         with lock:
             order.append(k)
 
-    engine_module._backward_on = backward_on
+    pieces_module._backward_on = backward_on
     try:
         plan = ErasePlan(cuts=CUTS, placements=PLACEMENTS, num_streams=2, dispatch="threaded")
         out = train(plan, rank, world, dist.group.WORLD, pool=ThreadPoolExecutor(2))
     finally:
-        engine_module._backward_on = real
+        pieces_module._backward_on = real
     out["completion_order"] = order
     return out
 

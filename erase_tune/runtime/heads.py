@@ -1,0 +1,122 @@
+"""Aux heads: what turns a cut's output into a prediction its local loss can score.
+
+Each cut gets a head, made once from the probe's view of the cut's output and the model's
+output: the default :class:`LinearHead`, or the user's ``make_head(cut_name, cut_output,
+model_output)``. Every head is seeded from its cut's name (the same init in every engine)
+and checked once on the example batch: it must map the cut's output to the model output's
+shape and give ``loss_fn`` a finite value; anything else is a one-line :class:`PlanError`
+that names the cut and the fix.
+"""
+
+from __future__ import annotations
+
+import functools
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from erase_tune.errors import PlanError, first_line, shown
+from erase_tune.runtime.plan import Cut
+
+__all__ = ["LinearHead", "HeadFactory", "build_heads"]
+
+HeadFactory = Callable[[str, Tensor, Tensor], nn.Module]
+"""``(cut_name, cut_output, model_output) -> head``."""
+
+_ACTIVATIONS: Mapping[str, Callable[[Tensor], Tensor] | None] = {
+    "none": None,
+    "sigmoid": torch.sigmoid,
+    "softmax": functools.partial(torch.softmax, dim=-1),
+    "log_softmax": functools.partial(torch.log_softmax, dim=-1),
+}
+
+class LinearHead(nn.Module):
+    """Default aux head: a linear map from the cut's output features to the model's output.
+
+    (…, d) → (…, k) where k is the model output's last dim; a 1-D model output (B,) is
+    matched by mapping to one feature and squeezing it. ``activation`` repeats the one the
+    model's output ends in (``sigmoid``, ``softmax`` or ``log_softmax`` over the last dim),
+    so the head produces what ``loss_fn`` takes: probabilities for BCE, logits otherwise.
+    """
+
+    def __init__(self, in_features: int, out_features: int, squeeze: bool, activation: str = "none") -> None:
+        super().__init__()
+        if activation not in _ACTIVATIONS:
+            raise ValueError(f"activation must be one of {', '.join(_ACTIVATIONS)}, got {activation!r}")
+        self.proj = nn.Linear(in_features, out_features)
+        self.squeeze = squeeze
+        self.activation = activation
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.proj(x)
+        if self.squeeze:
+            y = y.squeeze(-1)
+        act = _ACTIVATIONS[self.activation]
+        return act(y) if act is not None else y
+
+
+def _default_head(name: str, cut_out: Tensor, model_out: Tensor, *, activation: str = "none") -> nn.Module:
+    if not isinstance(model_out, Tensor):
+        raise PlanError(f"cut {shown(name)}: the model returns {type(model_out).__name__}, not one tensor, so the "
+                        "default aux head cannot match it: pass output= to pick the prediction out of it "
+                        "(or make_head with a head for this output)")
+    squeeze = model_out.dim() == cut_out.dim() - 1
+    out_features = 1 if squeeze else model_out.shape[-1]
+    return LinearHead(cut_out.shape[-1], out_features, squeeze, activation)
+
+
+def build_heads(cuts: Sequence[Cut], outputs: Mapping[str, Tensor], model_output: Any, activation: str,
+                target: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor],
+                make_head: HeadFactory | None) -> dict[str, nn.Module]:
+    """One checked head per cut, by cut name (see the module docstring)."""
+    factory = make_head or functools.partial(_default_head, activation=activation)
+    heads: dict[str, nn.Module] = {}
+    for cut in cuts:
+        out = outputs[cut.name]
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(zlib.crc32(cut.name.encode()))  # same head init in every engine
+            head = factory(cut.name, out, model_output).to(device=out.device, dtype=out.dtype)
+        _check_head(cut.name, head, out, model_output, target, loss_fn)
+        heads[cut.name] = head
+    return heads
+
+
+def _check_head(name: str, head: nn.Module, out: Tensor, model_out: Any, target: Tensor,
+                loss_fn: Callable[[Tensor, Tensor], Tensor]) -> None:
+    fix = "pass make_head with a head for this cut"
+    with torch.no_grad():
+        try:
+            pred = head(out)
+        except (RuntimeError, ValueError, TypeError, IndexError) as e:
+            raise PlanError(f"cut {shown(name)}: the aux head fails on the cut's output "
+                            f"({first_line(e)}); {fix}") from None
+        shape = tuple(getattr(model_out, "shape", ()))
+        if not isinstance(pred, Tensor) or tuple(pred.shape) != shape:
+            got = tuple(pred.shape) if isinstance(pred, Tensor) else type(pred).__name__
+            raise PlanError(f"cut {shown(name)}: aux head maps output {tuple(out.shape)} to {got}, "
+                            f"but the model's output is {shape}; {fix}")
+        try:
+            loss = _loss_on_cpu(loss_fn, pred, target)
+        except (RuntimeError, ValueError, TypeError, IndexError) as e:
+            raise PlanError(f"cut {shown(name)}: loss_fn does not take the aux head's output "
+                            f"({first_line(e)}); {fix} whose output loss_fn takes") from None
+        if not isinstance(loss, Tensor) or not bool(torch.isfinite(loss).all()):
+            raise PlanError(f"cut {shown(name)}: loss_fn gives {shown(loss)} on the aux head's output for the "
+                            f"example batch; {fix} whose output loss_fn takes (or fix the loss, if it is at fault)")
+
+
+def _loss_on_cpu(loss_fn: Callable[[Tensor, Tensor], Tensor], pred: Tensor, target: Tensor) -> Any:
+    """``loss_fn(pred, target)``, on CPU copies where the loss allows: a CUDA loss kernel given
+    out-of-range input (BCE on logits) fails with a device-side assert that ends the process's
+    CUDA context, while on the CPU it is an ordinary error."""
+    if pred.device.type == "cpu":
+        return loss_fn(pred, target)
+    try:
+        return loss_fn(pred.cpu(), target.cpu())
+    except (RuntimeError, ValueError, TypeError, IndexError) as e:
+        if "device" not in str(e):
+            raise
+    return loss_fn(pred, target)  # the loss holds device state of its own (a weight, a module)
