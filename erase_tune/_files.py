@@ -262,7 +262,7 @@ def check_output(path: str | Path, *, flag: str = "-o", protect: Iterable[str | 
     (or a file, device or FIFO where a directory is wanted); a device node, FIFO or socket
     (writing there would not make a file, or would block); a file in ``protect`` (the study's
     own database and its journal files), also when reached through a symlink or another
-    relative spelling; a parent directory that does not exist. A file is written through
+    relative spelling; for a file, a parent directory that does not exist. A file is written through
     :func:`write_atomic`, so a symlink at ``path`` is replaced, never written through.
     """
     text = str(path)
@@ -293,7 +293,7 @@ def check_output(path: str | Path, *, flag: str = "-o", protect: Iterable[str | 
             if directory and not stat.S_ISDIR(mode):
                 raise EraseTuneError(f"{flag}: {name} exists and is not a directory")
         parent = real.parent
-        if not parent.is_dir():
+        if not directory and not parent.is_dir():  # a directory to write in may be created
             raise EraseTuneError(f"{flag}: directory {one_line(str(parent), 300)} does not exist")
     except OSError as e:  # a name too long for the file system, a loop of symlinks, ...
         raise EraseTuneError(f"{flag}: {name}: {one_line(e.strerror or str(e))}") from None

@@ -67,6 +67,21 @@ def _emit_json(data: Any) -> None:
     print(json.dumps(data, indent=2, default=str))
 
 
+def _check_output_dir(path: str, storage: str | None, *, names: Any) -> None:
+    """An output directory and the files a command writes in it: never the study's own
+    storage, a device or a plain file (checked before the storage is opened)."""
+    from pathlib import Path
+
+    from erase_tune._files import check_output
+    from erase_tune.tune.export import storage_files
+
+    protect = storage_files(storage)
+    check_output(path, flag="-o", protect=protect, directory=True)
+    if Path(path).is_dir():
+        for name in names:
+            check_output(Path(path) / name, flag="-o", protect=protect)
+
+
 # -- commands ------------------------------------------------------------------------------
 
 
@@ -94,6 +109,10 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     from erase_tune.bench import run_bench
     from erase_tune.workloads import get_workload
 
+    if ns.trace is not None:
+        from erase_tune._files import check_output
+
+        check_output(ns.trace, flag="--trace", directory=True)
     workload = get_workload(ns.workload, _workload_args(ns.arg))
     cuts = [c for c in ns.cuts.split(",") if c] if ns.cuts else None
     only = [c.strip() for c in ns.only.split(",") if c.strip()] if ns.only else None
@@ -174,8 +193,9 @@ def cmd_export(ns: argparse.Namespace) -> int:
 
 
 def cmd_report(ns: argparse.Namespace) -> int:
-    from erase_tune.tune.html_report import report
+    from erase_tune.tune.html_report import _FILES, report
 
+    _check_output_dir(ns.output, ns.storage, names=_FILES.values())
     files = report(ns.storage, ns.study, ns.output)
     print(f"wrote {files.html}" + "".join(f"\n      {png}" for png in files.pngs))
     return 0
