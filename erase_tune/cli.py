@@ -5,8 +5,10 @@ Parsing happens here; the work happens in library functions. Errors are one line
 (bad plan, space, workload, storage URL, arguments), 1 for a job or export that ran and
 did not get what was asked (every trial failed; no confirmed gain), 3 when the storage was
 lost mid-job (outcomes not yet stored are kept in a local journal for the next ``start``),
-130 when interrupted. ``-v``/``-q`` set the level of the standard ``logging`` module, where
-progress goes (stderr); results go to stdout (``--json`` for machines).
+130 when interrupted (Ctrl-C), 143 on SIGTERM and 129 on SIGHUP, with one line; an
+environment variable that does not parse is exit 2 like a bad option (:mod:`erase_tune._env`).
+``-v``/``-q`` set the level of the standard ``logging`` module, where progress goes
+(stderr); results go to stdout (``--json`` for machines).
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ import json
 import logging
 import os
 import shlex
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from erase_tune import __version__
+from erase_tune._env import check_environment
 from erase_tune.cli_args import (
     Parser,
     bench_args,
@@ -34,7 +39,7 @@ from erase_tune.cli_args import (
     status_args,
     trial_args,
 )
-from erase_tune.errors import EraseTuneError
+from erase_tune.errors import EraseTuneError, Terminated
 
 __all__ = ["main", "build_parser", "one_line"]
 
@@ -270,27 +275,53 @@ _SERVICE_MODULES = {"optuna", "optuna_dashboard", "ray", "sqlalchemy", "alembic"
 """What ``erase-tune[tune]`` adds to the runtime-only install."""
 
 
+def _terminate(signum: int, frame: Any) -> None:
+    raise Terminated(signum)
+
+
+def _on_signals() -> Callable[[], None]:
+    """SIGTERM and SIGHUP end a command as Ctrl-C does (exit 143 / 129, one line); returns
+    the function that puts the previous handlers back (``main`` may be called in-process)."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    old = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGHUP)}
+
+    def restore() -> None:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+    return restore
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
-    # As `python -m` does: a user's `package.module:factory` next to where the command runs
-    # imports without installing it (the console script alone would not look there).
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    restore = _on_signals()
+    ns = None
     try:
+        ns = build_parser().parse_args(argv)
+        # As `python -m` does: a user's `package.module:factory` next to where the command runs
+        # imports without installing it (the console script alone would not look there).
+        if os.getcwd() not in sys.path and "" not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        check_environment()
         _configure_logging(ns)
         return ns.func(ns)
     except ModuleNotFoundError as e:
         if (e.name or "").split(".")[0] not in _SERVICE_MODULES:
             raise
-        print(f"erase-tune: error: `erase-tune {ns.command}` needs the tuning service, and {e.name} is not installed: "
-              "pip install 'erase-tune[tune]'", file=sys.stderr)
+        print(f"erase-tune: error: `erase-tune {ns.command if ns else ''}` needs the tuning service, and {e.name} is "
+              "not installed: pip install 'erase-tune[tune]'", file=sys.stderr)
         return 2
     except EraseTuneError as e:
         print(f"erase-tune: error: {one_line(e)}", file=sys.stderr)
         return int(getattr(e, "exit_code", 2))
+    except Terminated as e:
+        print(f"erase-tune: terminated by {signal.Signals(e.signum).name}", file=sys.stderr)
+        return 128 + e.signum
     except KeyboardInterrupt:
         print("erase-tune: interrupted", file=sys.stderr)
         return 130
+    finally:
+        restore()
 
 
 if __name__ == "__main__":

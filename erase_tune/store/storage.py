@@ -32,6 +32,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from erase_tune import errors
+from erase_tune._env import env_seconds
 from erase_tune.errors import EraseTuneError
 from erase_tune.store.engine import WRITE_OPTION, engine_kwargs, one_line, parse_url, redact_url, shown_url
 from erase_tune.store.repo import Store
@@ -86,7 +87,7 @@ def open_storage(url: str, *, must_exist: bool = False, upgrade: bool = True,
     # dashboard: Optuna creates its tables when it opens a storage) can make set-up's deferred
     # transactions fail at once with "database is locked" instead of waiting: that is retried,
     # within the storage retry window; anything else fails at once, in one line.
-    deadline = time.monotonic() + float(os.environ.get(RETRY_ENV, "60"))
+    deadline = time.monotonic() + env_seconds(RETRY_ENV, 60.0)
     delay = 0.2
     while True:
         try:
@@ -145,7 +146,7 @@ def retrying(what: str, fn: Callable[[], T], *, url: str, parsed: URL | None = N
     """``fn()``, retried with backoff while the storage is unreachable (lost connection,
     locked, server restarting) for up to ``$ERASE_TUNE_STORAGE_RETRY_S`` seconds; then, or at
     once for a read-only database, :class:`StorageLost` naming the storage and the cause."""
-    budget = float(os.environ.get(RETRY_ENV, "60"))
+    budget = env_seconds(RETRY_ENV, 60.0)
     deadline = time.monotonic() + budget
     delay = 0.2
     while True:

@@ -22,7 +22,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from erase_tune.errors import EraseTuneError
+from erase_tune._env import env_text
+from erase_tune.errors import EraseTuneError, Terminated
 from erase_tune.tune.outcome import ConfirmOutcome, Failure, TrialOutcome
 from erase_tune.tune.worker import ConfirmSpec, TrialSpec
 from erase_tune.tune.workers import WorkerGroup, _first_line
@@ -51,7 +52,7 @@ def resolve_address(address: str | None) -> str | None:
     """``--ray-address``, else ``$RAY_ADDRESS``, else None (a private local Ray)."""
     if address is not None and not address.strip():
         raise EraseTuneError("--ray-address: must not be empty (leave it out for $RAY_ADDRESS or a private local Ray)")
-    return address or os.environ.get("RAY_ADDRESS") or None
+    return address or env_text("RAY_ADDRESS") or None
 
 
 class RayExecutor:
@@ -260,7 +261,7 @@ class RayExecutor:
 
 
 def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"terminated by signal {signum}")
+    raise Terminated(signum)
 
 
 def _check_reachable(address: str) -> None:
