@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import stat
 import tempfile
 import unicodedata
@@ -98,6 +99,12 @@ class _TooDeep(Exception):
     """Raised by :class:`_Loader` past the nesting :func:`_check_shape` allows."""
 
 
+_EXPONENT_FLOAT = re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
+"""``1e-3``, ``2.5e6``: floats to YAML 1.2 and to every reader of a config file, but strings to
+PyYAML (YAML 1.1 wants a dot and a signed exponent), so ``aux_weight: 1e-3`` was refused as
+"must be a number"."""
+
+
 class _Duplicate(Exception):
     """Raised by :class:`_Loader` for a key given twice in one mapping."""
 
@@ -133,6 +140,7 @@ class _Loader(yaml.SafeLoader):
                     continue
         return super().construct_mapping(node, deep)
 
+
     def compose_node(self, parent: Any, index: Any) -> Any:
         self._depth += 1
         try:
@@ -141,6 +149,9 @@ class _Loader(yaml.SafeLoader):
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1
+
+
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789"))
 
 
 def _check_shape(data: Any, source: str, error: type[EraseTuneError]) -> None:
