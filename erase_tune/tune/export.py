@@ -195,7 +195,7 @@ def storage_files(url: str | None) -> list[Path]:
         return []
     if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
         return []
-    db = Path(parsed.database)
+    db = Path(os.path.realpath(parsed.database))  # SQLite puts its journal files next to the real file
     return [db, *(db.with_name(db.name + suffix) for suffix in ("-journal", "-wal", "-shm"))]
 
 
