@@ -275,22 +275,45 @@ _SERVICE_MODULES = {"optuna", "optuna_dashboard", "ray", "sqlalchemy", "alembic"
 """What ``erase-tune[tune]`` adds to the runtime-only install."""
 
 
+_received: list[int] = []
+"""Signals received while a command ran. Some servers (the dashboard's) catch KeyboardInterrupt
+themselves and return normally: the command's exit must still say it was stopped."""
+
+
 def _terminate(signum: int, frame: Any) -> None:
+    _received.append(signum)
     raise Terminated(signum)
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    _received.append(signum)
+    raise KeyboardInterrupt
+
+
 def _on_signals() -> Callable[[], None]:
-    """SIGTERM and SIGHUP end a command as Ctrl-C does (exit 143 / 129, one line); returns
-    the function that puts the previous handlers back (``main`` may be called in-process)."""
+    """Ctrl-C, SIGTERM and SIGHUP end a command with one line and exit 130 / 143 / 129;
+    returns the function that puts the previous handlers back (``main`` may be called
+    in-process)."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
+    _received.clear()
     old = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where SIGINT is ignored (nohup, &)
+        old[signal.SIGINT] = signal.signal(signal.SIGINT, _interrupt)
 
     def restore() -> None:
         for sig, handler in old.items():
             signal.signal(sig, handler)
 
     return restore
+
+
+def _stopped(signum: int) -> int:
+    if signum == signal.SIGINT:
+        print("erase-tune: interrupted", file=sys.stderr)
+        return 130
+    print(f"erase-tune: terminated by {signal.Signals(signum).name}", file=sys.stderr)
+    return 128 + signum
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -304,7 +327,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.path.insert(0, os.getcwd())
         check_environment()
         _configure_logging(ns)
-        return ns.func(ns)
+        code = ns.func(ns)
+        return _stopped(_received[0]) if _received else code
     except ModuleNotFoundError as e:
         if (e.name or "").split(".")[0] not in _SERVICE_MODULES:
             raise
@@ -315,11 +339,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"erase-tune: error: {one_line(e)}", file=sys.stderr)
         return int(getattr(e, "exit_code", 2))
     except Terminated as e:
-        print(f"erase-tune: terminated by {signal.Signals(e.signum).name}", file=sys.stderr)
-        return 128 + e.signum
-    except KeyboardInterrupt:
-        print("erase-tune: interrupted", file=sys.stderr)
-        return 130
+        return _stopped(e.signum)
+    except KeyboardInterrupt:  # a library may have turned our Terminated into a plain one
+        return _stopped(_received[0] if _received else signal.SIGINT)
     finally:
         restore()
 

@@ -85,6 +85,7 @@ class RayExecutor:
         if address and address != "auto":
             _check_reachable(address)
         env = dict(runtime_env or {})
+        previous = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
         if not ray.is_initialized():
             try:
                 if address:
@@ -105,7 +106,8 @@ class RayExecutor:
             # SIGTERM (timeout, Kubernetes, `ray job stop`) ends the job as Ctrl-C does: trials
             # cancelled and failed, the job marked interrupted. Set after ray.init, which
             # installs a handler of its own that only prints a stack.
-            signal.signal(signal.SIGTERM, _interrupt)
+            # The handler that was there before (the CLI's, which also sets the exit code), else ours.
+            signal.signal(signal.SIGTERM, previous if callable(previous) else _interrupt)
         resources = ray.cluster_resources()
         gpus, cpus = int(resources.get("GPU", 0)), int(resources.get("CPU", 1))
         if device == "cuda" and not gpus and not address:
