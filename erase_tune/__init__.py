@@ -9,11 +9,11 @@ from typing import Any
 
 from erase_tune.errors import CaptureError, EraseTuneError, PlanError, WorkloadError
 
-__all__ = ["Cut", "Placement", "ErasePlan", "EraseEngine", "EraseTuneError", "PlanError", "WorkloadError",
+__all__ = ["Cut", "Placement", "Graphed", "ErasePlan", "EraseEngine", "EraseTuneError", "PlanError", "WorkloadError",
            "CaptureError"]
 __version__ = "0.1.0"
 
-_RUNTIME = frozenset({"Cut", "Placement", "ErasePlan", "EraseEngine"})
+_RUNTIME = frozenset({"Cut", "Placement", "Graphed", "ErasePlan", "EraseEngine"})
 
 
 def __getattr__(name: str) -> Any:

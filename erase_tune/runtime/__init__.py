@@ -10,6 +10,7 @@ from erase_tune.runtime.plan import (
     PLAN_VERSION,
     Cut,
     ErasePlan,
+    Graphed,
     Placement,
     targets_overlap,
 )
@@ -18,6 +19,7 @@ from erase_tune.runtime.probe import ProbeResult, probe
 __all__ = [
     "Cut",
     "Placement",
+    "Graphed",
     "ErasePlan",
     "EraseEngine",
     "LinearHead",

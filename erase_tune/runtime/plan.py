@@ -10,7 +10,10 @@ run of consecutive blocks of a ``ModuleList``/``Sequential`` written ``blocks.2:
 
 A *cut* detaches its target and gives it a local loss; a *placement* only runs its target's
 forward on a side stream, without detaching anything, so it never changes a gradient
-(autograd runs each op's backward on the stream its forward ran on).
+(autograd runs each op's backward on the stream its forward ran on); a *graphed* piece has
+its forward and backward captured as a CUDA graph and replayed inside an otherwise eager
+step, again without detaching it (optionally on a side stream too), which removes its host
+launch cost.
 
 Plan files come from users, so every size is bounded before any work that grows with it:
 at most :data:`MAX_TARGETS` cuts and placements, runs of at most :data:`MAX_RUN` blocks
@@ -41,6 +44,7 @@ __all__ = [
     "MAX_RUN",
     "Cut",
     "Placement",
+    "Graphed",
     "ErasePlan",
     "targets_overlap",
 ]
@@ -229,6 +233,40 @@ class Placement:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class Graphed:
+    """A piece captured as a CUDA graph (forward and backward) and replayed inside an eager step.
+
+    Not detached, no aux head: gradients equal the plain step's. The piece must take tensors
+    only, as positional arguments, with static shapes, and do no CPU sync (what any CUDA graph
+    needs); the engine refuses anything else in one line naming the piece. On the CPU it runs
+    the piece as it is.
+    """
+
+    module: str
+    """Dotted submodule name (``top_l``) or a run of blocks ``blocks.2:5``."""
+    stream: int = 0
+    """0 replays the graph on the main stream; ``1..num_streams`` also places it on that side stream."""
+
+    def __post_init__(self) -> None:
+        _check_target(self.module)
+        _check_stream(self.stream, 0)
+
+    @property
+    def name(self) -> str:
+        """The piece's name: its module target, as written."""
+        return self.module
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """The submodule names this piece covers, in call order (for a checked plan)."""
+        return _members(self.module)
+
+
+Target = Cut | Placement | Graphed
+"""Any plan element: each names a module (or run) of the model, and no two may overlap."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ErasePlan:
     """Where and how ERASE detaches a model. A plan with no cuts and no placements is plain training."""
 
@@ -236,8 +274,10 @@ class ErasePlan:
     """The detached pieces, in any order; no two targets (cuts or placements) may overlap."""
     placements: tuple[Placement, ...] = ()
     """Pieces run on a side stream without detaching them."""
+    graphs: tuple[Graphed, ...] = ()
+    """Pieces captured as CUDA graphs and replayed in an eager step, without detaching them."""
     num_streams: int = 0
-    """Number of side CUDA streams cuts and placements may use (0: everything on the main stream)."""
+    """Number of side CUDA streams cuts, placements and graphed pieces may use (0: everything on the main stream)."""
     dispatch: str = "blocking"
     """Who launches early backward: ``blocking``, ``threaded`` or ``deferred`` (see DISPATCH_MODES)."""
     whole_step_graph: bool = False
@@ -262,10 +302,13 @@ class ErasePlan:
             raise PlanError(f"version: {shown(self.version)} is not supported (this erase-tune reads version {PLAN_VERSION})")
         cuts = _items(self.cuts, "cuts", Cut)
         placements = _items(self.placements, "placements", Placement)
-        if len(cuts) + len(placements) > MAX_TARGETS:
-            raise PlanError(f"cuts: {len(cuts)} cuts and {len(placements)} placements, more than the limit of {MAX_TARGETS}")
+        graphs = _items(self.graphs, "graphs", Graphed)
+        if len(cuts) + len(placements) + len(graphs) > MAX_TARGETS:
+            raise PlanError(f"cuts: {len(cuts)} cuts, {len(placements)} placements and {len(graphs)} graphed pieces, "
+                            f"more than the limit of {MAX_TARGETS}")
         object.__setattr__(self, "cuts", cuts)
         object.__setattr__(self, "placements", placements)
+        object.__setattr__(self, "graphs", graphs)
         n = self.num_streams
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_STREAMS:
             raise PlanError(f"num_streams: {shown(n)} must be an integer in 0..{MAX_STREAMS}")
@@ -283,14 +326,19 @@ class ErasePlan:
                 )
         for label, target in self._labelled():
             if target.stream > n:
-                low = 0 if isinstance(target, Cut) else 1
+                low = 1 if isinstance(target, Placement) else 0
                 raise PlanError(f"{label}.stream: {target.stream} is out of range {low}..{n} (num_streams={n})")
         self._check_disjoint()
 
-    def _labelled(self) -> list[tuple[str, Cut | Placement]]:
-        return [(f"cuts[{i}]", c) for i, c in enumerate(self.cuts)] + [
-            (f"placements[{i}]", p) for i, p in enumerate(self.placements)
-        ]
+    def _labelled(self) -> list[tuple[str, Target]]:
+        return ([(f"cuts[{i}]", c) for i, c in enumerate(self.cuts)]
+                + [(f"placements[{i}]", p) for i, p in enumerate(self.placements)]
+                + [(f"graphs[{i}]", g) for i, g in enumerate(self.graphs)])
+
+    @property
+    def targets(self) -> tuple[Target, ...]:
+        """Every element of the plan: cuts, then placements, then graphed pieces."""
+        return (*self.cuts, *self.placements, *self.graphs)
 
     def _check_disjoint(self) -> None:
         labelled = self._labelled()
@@ -303,26 +351,39 @@ class ErasePlan:
 
     def detach_only(self) -> ErasePlan:
         """The same cuts and aux heads with no early launch and no side streams: one stream,
-        one backward at the end (placements, which only move work between streams, are dropped)."""
+        one backward at the end (placements and graphed pieces, which only change how work is
+        launched, are dropped)."""
         cuts = tuple(dataclasses.replace(c, stream=0, graph=False) for c in self.cuts)
-        return dataclasses.replace(self, cuts=cuts, placements=(), num_streams=0, dispatch="deferred")
+        return dataclasses.replace(self, cuts=cuts, placements=(), graphs=(), num_streams=0, dispatch="deferred")
 
     def without_cuts(self) -> ErasePlan:
-        """This plan's execution settings (e.g. whole-step graph) with nothing detached or placed."""
-        return dataclasses.replace(self, cuts=(), placements=(), num_streams=0, dispatch="blocking")
+        """This plan's execution settings (e.g. whole-step graph) with nothing detached, placed or graphed."""
+        return dataclasses.replace(self, cuts=(), placements=(), graphs=(), num_streams=0, dispatch="blocking")
+
+    @property
+    def exact(self) -> bool:
+        """Whether the plan trains the same mathematics as the plain model: it detaches nothing
+        (placements and graphed pieces only change where and how work is launched)."""
+        return not self.cuts
 
     def canonical(self) -> ErasePlan:
         """One representative of the plans that run identically.
 
-        Side-stream ids are renumbered by first use over cuts and placements together, in
-        target order, and unused streams dropped (stream ids are interchangeable); with a
-        whole-step graph, dispatch and per-cut graph flags are reset since they have no
-        effect there; cuts and placements are sorted by target.
+        Side-stream ids are renumbered by first use over all elements together, in target
+        order, and unused streams dropped (stream ids are interchangeable); with a whole-step
+        graph, dispatch and per-cut graph flags are reset since they have no effect there, and
+        a graphed piece is already inside the step's graph: on a side stream it is a
+        placement, on the main stream nothing; elements are sorted by target.
         """
+        placements, graphs = list(self.placements), list(self.graphs)
+        if self.whole_step_graph:
+            placements += [Placement(module=g.module, stream=g.stream) for g in graphs if g.stream]
+            graphs = []
         cuts = sorted(self.cuts, key=lambda c: c.module)
-        placements = sorted(self.placements, key=lambda p: p.module)
+        placements.sort(key=lambda p: p.module)
+        graphs.sort(key=lambda g: g.module)
         remap: dict[int, int] = {}
-        for t in sorted([*cuts, *placements], key=lambda t: t.module):
+        for t in sorted([*cuts, *placements, *graphs], key=lambda t: t.module):
             if t.stream and t.stream not in remap:
                 remap[t.stream] = len(remap) + 1
         graph_ok = not self.whole_step_graph
@@ -330,16 +391,18 @@ class ErasePlan:
             dataclasses.replace(c, stream=remap.get(c.stream, 0), graph=c.graph and graph_ok) for c in cuts
         )
         new_placements = tuple(dataclasses.replace(p, stream=remap[p.stream]) for p in placements)
+        new_graphs = tuple(dataclasses.replace(g, stream=remap.get(g.stream, 0)) for g in graphs)
         dispatch = "blocking" if self.whole_step_graph and self.dispatch != "deferred" else self.dispatch
         if not new_cuts:
             dispatch = "blocking"
-        return dataclasses.replace(self, cuts=new_cuts, placements=new_placements, num_streams=len(remap),
-                                   dispatch=dispatch)
+        return dataclasses.replace(self, cuts=new_cuts, placements=new_placements, graphs=new_graphs,
+                                   num_streams=len(remap), dispatch=dispatch)
 
     def describe(self) -> str:
         """A one-line summary for tables and logs."""
         parts = [f"{c.module}@s{c.stream}{'+g' if c.graph else ''}" for c in self.cuts]
         parts += [f"{p.module}@s{p.stream}(placed)" for p in self.placements]
+        parts += [f"{g.module}@s{g.stream}(graphed)" for g in self.graphs]
         what = ", ".join(parts) if parts else "no cuts"
         graph = ", whole-step graph" if self.whole_step_graph else ""
         return f"{what}; {self.num_streams} side stream(s), {self.dispatch}{graph}"
@@ -366,6 +429,8 @@ class ErasePlan:
         }
         if self.placements:  # absent when empty: plans without placements keep their old text
             out["placements"] = [dataclasses.asdict(p) for p in self.placements]
+        if self.graphs:
+            out["graphs"] = [dataclasses.asdict(g) for g in self.graphs]
         if self.provenance:
             out["provenance"] = _plain_provenance(self.provenance)
         return out
@@ -379,6 +444,7 @@ class ErasePlan:
         fields = dict(data)
         fields["cuts"] = _read_targets(fields.get("cuts"), "cuts", Cut, bare=True)
         fields["placements"] = _read_targets(fields.get("placements"), "placements", Placement, bare=False)
+        fields["graphs"] = _read_targets(fields.get("graphs"), "graphs", Graphed, bare=True)
         if fields.get("provenance") is None:
             fields.pop("provenance", None)
         return cls(**fields)

@@ -6,6 +6,7 @@ import pytest
 from torch import nn
 
 from erase_tune import Cut, ErasePlan, Placement, PlanError
+from erase_tune.runtime import Graphed
 from erase_tune.runtime import targets_overlap
 
 
@@ -251,3 +252,47 @@ def test_provenance_is_plain_data():
     ]:
         with pytest.raises(PlanError, match=f"^{where}"):
             ErasePlan(provenance=bad)
+
+
+# -- graphed pieces: captured as CUDA graphs inside an eager step, not detached --------------------
+
+
+def test_graphed_round_trip_describe_and_exactness(tmp_path):
+    plan = ErasePlan(cuts=(Cut(module="a", stream=1),), graphs=(Graphed(module="top"), Graphed(module="b", stream=2)),
+                     num_streams=2)
+    path = tmp_path / "p.yaml"
+    plan.save(path)
+    again = ErasePlan.load(path)
+    assert again == plan
+    assert "top@s0(graphed)" in plan.describe() and "b@s2(graphed)" in plan.describe()
+    assert ErasePlan.loads("graphs: [top]").graphs == (Graphed(module="top"),)  # a bare name is {module: top}
+    assert "graphs" not in ErasePlan().to_dict()  # plans without graphed pieces keep their old text
+    assert ErasePlan(graphs=(Graphed(module="x"),)).exact and not plan.exact
+    assert plan.detach_only().graphs == () and plan.without_cuts().graphs == ()
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("graphs: [{module: a, stream: 3}]\nnum_streams: 1", "graphs[0].stream: 3 is out of range 0..1"),
+    ("graphs: [{module: a}]\ncuts: [a.b]", "overlaps"),
+    ("graphs: [{module: a, graph: true}]", "graphs[0].graph: unknown field"),
+    ("graphs: [{module: 'a b'}]", "graphs[0].module"),
+    ("graphs: {module: a}", "graphs: must be a list"),
+])
+def test_graphed_errors_name_the_field(text, needle):
+    with pytest.raises(PlanError, match=None) as info:
+        ErasePlan.loads(text)
+    assert needle in str(info.value)
+
+
+def test_canonical_graphed_under_a_whole_step_graph_is_a_placement_or_nothing():
+    plan = ErasePlan(graphs=(Graphed(module="a", stream=3), Graphed(module="b")), num_streams=3, whole_step_graph=True)
+    canon = plan.canonical()
+    assert canon.graphs == () and canon.placements == (Placement(module="a", stream=1),) and canon.num_streams == 1
+    eager = ErasePlan(graphs=(Graphed(module="b", stream=4), Graphed(module="a")), num_streams=4).canonical()
+    assert eager.graphs == (Graphed(module="a"), Graphed(module="b", stream=1)) and eager.num_streams == 1
+
+
+def test_check_model_covers_graphed():
+    model = nn.Sequential(nn.Linear(2, 2))
+    with pytest.raises(PlanError, match=r"graphs\[0\]\.module"):
+        ErasePlan(graphs=(Graphed(module="nope"),)).check_model(model)
