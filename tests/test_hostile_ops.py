@@ -587,14 +587,18 @@ def test_hostile_signals(bounds: Cases, tmp_path: Path) -> None:
 
     dashboard()
 
+    # the job is started from its space's directory with a relative path and a relative py_module
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
     space = tmp_path / "job.yaml"
-    space.write_text(SPACE + "cuts: {candidates: [subarchs.0, subarchs.1], max_streams: 1}\n"
+    space.write_text(SPACE.replace("workload: {", "workload: {py_modules: [pkg], ") +
+                     "cuts: {candidates: [subarchs.0, subarchs.1], max_streams: 1}\n"
                      "sampler: {name: random, seed: 0}\n"
                      "budget: {warmup_steps: 5, windows: 2, window_steps: 20, timeout_s: 120}\ntrials: 50\n"
                      "device: cpu\n")
     job_db = f"sqlite:///{tmp_path / 'job.db'}"
     with bounds.case("signals", "start, SIGTERM mid-job"):
-        code, err, took = _signal_command(["start", "--space", str(space), "--study", "job", "--storage", job_db,
+        code, err, took = _signal_command(["start", "--space", "job.yaml", "--study", "job", "--storage", job_db,
                                            "--slots", "1", "--no-confirm"], signal.SIGTERM, 1.0, tmp_path,
                                           wait_for="code from module")
     assert code == 143, f"start ended by SIGTERM: exit {code}: {err[-3000:]}"
@@ -604,5 +608,17 @@ def test_hostile_signals(bounds: Cases, tmp_path: Path) -> None:
     import json
 
     assert json.loads(out)["job"]["status"] == "interrupted", out[:2000]
+    # export re-reads the stored space from anywhere: its py_modules resolve against its own directory
+    from erase_tune.store.storage import open_storage
+
+    db = open_storage(job_db, must_exist=True)
+    try:
+        job = db.store.get_job("job")
+    finally:
+        db.close()
+    assert job.space_path == str(space)
+    with contextlib.chdir("/"):
+        stored = SearchSpace.loads(job.space_yaml, source=job.space_path, base=Path(job.space_path).parent)
+    assert stored.py_modules == (str(tmp_path / "pkg"),)
     bounds.outcomes["signals:job interrupted, storage readable"] += 1
     bounds.report("signals", 7)

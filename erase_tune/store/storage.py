@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import fcntl
 import hashlib
+import logging
 import os
 import threading
 import time
@@ -41,6 +42,7 @@ __all__ = ["Storage", "StorageLost", "open_storage", "retrying", "RETRY_ENV"]
 
 T = TypeVar("T")
 
+log = logging.getLogger(__name__)
 RETRY_ENV = "ERASE_TUNE_STORAGE_RETRY_S"
 """Seconds a lost storage is retried before the driver gives up (default 60)."""
 
@@ -98,6 +100,9 @@ def open_storage(url: str, *, must_exist: bool = False, upgrade: bool = True,
         except Exception as e:  # noqa: BLE001 - any driver/connection error becomes one line
             cause = errors.one_line(_cause(e, parsed), 300)
             if "database is locked" in cause and time.monotonic() + delay < deadline:
+                if delay == 0.2:  # the first wait: say what for, how long, how to stop
+                    log.info(f"storage {shown}: another process is setting it up (database is locked); waiting up to "
+                             f"{deadline - time.monotonic():.0f}s (${RETRY_ENV}): Ctrl-C stops")
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
                 continue
@@ -156,6 +161,9 @@ def retrying(what: str, fn: Callable[[], T], *, url: str, parsed: URL | None = N
             cause = _cause(e, parsed)
             if "readonly" in cause.replace(" ", "").lower() or time.monotonic() + delay > deadline:
                 raise StorageLost(f"storage {url} lost while {what}: {cause}") from None
+            if delay == 0.2:  # the first retry: say what for, how long, how to stop
+                log.warning(f"storage {url} unreachable while {what} ({cause}); retrying for up to {budget:.0f}s "
+                            f"(${RETRY_ENV}): Ctrl-C stops")
             time.sleep(delay)
             delay = min(delay * 2, 5.0)
 

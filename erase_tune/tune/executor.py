@@ -45,8 +45,10 @@ class TrialHandle:
     cancel_reason: str | None = None
 
 
-WAIT_SAID_AFTER_S = 3.0
-"""A worker group not ready after this long is a wait worth a log line (starting takes ~1-3 s)."""
+WAIT_SAID_AFTER_S = 30.0
+"""A worker group not ready after this long is a wait worth a log line. Starting one takes 1-3 s,
+and up to ~15 s on a loaded machine, where a refusal found while starting (a package that
+did not travel) must stay the command's only line; a real wait lasts up to ``--gpu-wait``."""
 WAIT_REPEAT_S = 60.0
 """How often a continuing wait is logged again."""
 MAX_UPLOAD_MB = 256.0
