@@ -297,9 +297,11 @@ def _on_signals() -> Callable[[], None]:
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
     _received.clear()
-    old = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where SIGINT is ignored (nohup, &)
-        old[signal.SIGINT] = signal.signal(signal.SIGINT, _interrupt)
+    old = {}
+    for sig, handler in ((signal.SIGTERM, _terminate), (signal.SIGHUP, _terminate), (signal.SIGINT, _interrupt)):
+        # a signal the caller ignores stays ignored (`nohup` ignores SIGHUP, `cmd &` SIGINT)
+        if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):
+            old[sig] = signal.signal(sig, handler)
 
     def restore() -> None:
         for sig, handler in old.items():
@@ -336,6 +338,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               "not installed: pip install 'erase-tune[tune]'", file=sys.stderr)
         return 2
     except EraseTuneError as e:
+        if _received:  # what failed was stopped by the signal: say that, once
+            return _stopped(_received[0])
         print(f"erase-tune: error: {one_line(e)}", file=sys.stderr)
         return int(getattr(e, "exit_code", 2))
     except Terminated as e:
