@@ -1,13 +1,18 @@
 # Two commands do everything on a fresh machine (each runs the idempotent set-up first):
 #   make demo   - a real tuning job on the CTR smoke space (local Ray, SQLite, CPU; one trial at a
 #                 time so two CPU trials do not share the two cores while they are timed)
-#   make test   - the test suite (PostgreSQL tests need a server on 127.0.0.1:5432)
-.PHONY: setup demo test
+#   make test   - the test suite; its set-up also starts PostgreSQL on 127.0.0.1:5432 if it is down
+#                 and installs the browser the dashboard test drives (scripts/setup.sh says what
+#                 it does at each step; nothing is done twice)
+.PHONY: setup setup-python demo test
 
 setup:
-	@bash scripts/setup.sh
+	@bash scripts/setup.sh test
 
-demo: setup
+setup-python:
+	@bash scripts/setup.sh python
+
+demo: setup-python
 	.venv/bin/erase-tune start --space search_spaces/ctr-smoke.yaml --study demo --trials 8 --slots 1 --repeats 3
 	.venv/bin/erase-tune status --study demo
 	.venv/bin/erase-tune export --study demo -o best.yaml --repeats 3 || { \

@@ -5,8 +5,10 @@ Parsing happens here; the work happens in library functions. Errors are one line
 (bad plan, space, workload, storage URL, arguments), 1 for a job or export that ran and
 did not get what was asked (every trial failed; no confirmed gain), 3 when the storage was
 lost mid-job (outcomes not yet stored are kept in a local journal for the next ``start``),
-130 when interrupted. ``-v``/``-q`` set the level of the standard ``logging`` module, where
-progress goes (stderr); results go to stdout (``--json`` for machines).
+130 when interrupted (Ctrl-C), 143 on SIGTERM and 129 on SIGHUP, with one line; an
+environment variable that does not parse is exit 2 like a bad option (:mod:`erase_tune._env`).
+``-v``/``-q`` set the level of the standard ``logging`` module, where progress goes
+(stderr); results go to stdout (``--json`` for machines).
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ import json
 import logging
 import os
 import shlex
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from erase_tune import __version__
+from erase_tune._env import check_environment
 from erase_tune.cli_args import (
     Parser,
     bench_args,
@@ -34,7 +39,7 @@ from erase_tune.cli_args import (
     status_args,
     trial_args,
 )
-from erase_tune.errors import EraseTuneError
+from erase_tune.errors import EraseTuneError, Terminated
 
 __all__ = ["main", "build_parser", "one_line"]
 
@@ -67,6 +72,21 @@ def _emit_json(data: Any) -> None:
     print(json.dumps(data, indent=2, default=str))
 
 
+def _check_output_dir(path: str, storage: str | None, *, names: Any) -> None:
+    """An output directory and the files a command writes in it: never the study's own
+    storage, a device or a plain file (checked before the storage is opened)."""
+    from pathlib import Path
+
+    from erase_tune._files import check_output
+    from erase_tune.tune.export import storage_files
+
+    protect = storage_files(storage)
+    check_output(path, flag="-o", protect=protect, directory=True)
+    if Path(path).is_dir():
+        for name in names:
+            check_output(Path(path) / name, flag="-o", protect=protect)
+
+
 # -- commands ------------------------------------------------------------------------------
 
 
@@ -94,6 +114,10 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     from erase_tune.bench import run_bench
     from erase_tune.workloads import get_workload
 
+    if ns.trace is not None:
+        from erase_tune._files import check_output
+
+        check_output(ns.trace, flag="--trace", directory=True)
     workload = get_workload(ns.workload, _workload_args(ns.arg))
     cuts = [c for c in ns.cuts.split(",") if c] if ns.cuts else None
     only = [c.strip() for c in ns.only.split(",") if c.strip()] if ns.only else None
@@ -178,8 +202,9 @@ def cmd_export(ns: argparse.Namespace) -> int:
 
 
 def cmd_report(ns: argparse.Namespace) -> int:
-    from erase_tune.tune.html_report import report
+    from erase_tune.tune.html_report import _FILES, report
 
+    _check_output_dir(ns.output, ns.storage, names=_FILES.values())
     files = report(ns.storage, ns.study, ns.output)
     print(f"wrote {files.html}" + "".join(f"\n      {png}" for png in files.pngs))
     return 0
@@ -254,27 +279,79 @@ _SERVICE_MODULES = {"optuna", "optuna_dashboard", "ray", "sqlalchemy", "alembic"
 """What ``erase-tune[tune]`` adds to the runtime-only install."""
 
 
+_received: list[int] = []
+"""Signals received while a command ran. Some servers (the dashboard's) catch KeyboardInterrupt
+themselves and return normally: the command's exit must still say it was stopped."""
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    _received.append(signum)
+    raise Terminated(signum)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    _received.append(signum)
+    raise KeyboardInterrupt
+
+
+def _on_signals() -> Callable[[], None]:
+    """Ctrl-C, SIGTERM and SIGHUP end a command with one line and exit 130 / 143 / 129;
+    returns the function that puts the previous handlers back (``main`` may be called
+    in-process)."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    _received.clear()
+    old = {}
+    for sig, handler in ((signal.SIGTERM, _terminate), (signal.SIGHUP, _terminate), (signal.SIGINT, _interrupt)):
+        # a signal the caller ignores stays ignored (`nohup` ignores SIGHUP, `cmd &` SIGINT)
+        if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):
+            old[sig] = signal.signal(sig, handler)
+
+    def restore() -> None:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+    return restore
+
+
+def _stopped(signum: int) -> int:
+    if signum == signal.SIGINT:
+        print("erase-tune: interrupted", file=sys.stderr)
+        return 130
+    print(f"erase-tune: terminated by {signal.Signals(signum).name}", file=sys.stderr)
+    return 128 + signum
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
-    # As `python -m` does: a user's `package.module:factory` next to where the command runs
-    # imports without installing it (the console script alone would not look there).
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    restore = _on_signals()
+    ns = None
     try:
+        ns = build_parser().parse_args(argv)
+        # As `python -m` does: a user's `package.module:factory` next to where the command runs
+        # imports without installing it (the console script alone would not look there).
+        if os.getcwd() not in sys.path and "" not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        check_environment()
         _configure_logging(ns)
-        return ns.func(ns)
+        code = ns.func(ns)
+        return _stopped(_received[0]) if _received else code
     except ModuleNotFoundError as e:
         if (e.name or "").split(".")[0] not in _SERVICE_MODULES:
             raise
-        print(f"erase-tune: error: `erase-tune {ns.command}` needs the tuning service, and {e.name} is not installed: "
-              "pip install 'erase-tune[tune]'", file=sys.stderr)
+        print(f"erase-tune: error: `erase-tune {ns.command if ns else ''}` needs the tuning service, and {e.name} is "
+              "not installed: pip install 'erase-tune[tune]'", file=sys.stderr)
         return 2
     except EraseTuneError as e:
+        if _received:  # what failed was stopped by the signal: say that, once
+            return _stopped(_received[0])
         print(f"erase-tune: error: {one_line(e)}", file=sys.stderr)
         return int(getattr(e, "exit_code", 2))
-    except KeyboardInterrupt:
-        print("erase-tune: interrupted", file=sys.stderr)
-        return 130
+    except Terminated as e:
+        return _stopped(e.signum)
+    except KeyboardInterrupt:  # a library may have turned our Terminated into a plain one
+        return _stopped(_received[0] if _received else signal.SIGINT)
+    finally:
+        restore()
 
 
 if __name__ == "__main__":

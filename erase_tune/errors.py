@@ -9,7 +9,8 @@ the line or flood the terminal.
 
 from __future__ import annotations
 
-__all__ = ["EraseTuneError", "PlanError", "WorkloadError", "CaptureError", "shown", "one_line", "first_line"]
+__all__ = ["EraseTuneError", "PlanError", "WorkloadError", "CaptureError", "Terminated", "shown", "one_line",
+           "first_line"]
 
 
 class EraseTuneError(Exception):
@@ -32,6 +33,16 @@ class CaptureError(EraseTuneError, RuntimeError):
     with "Offset increment outside graph capture"): restart the process, or train without
     graphs. erase-tune's trial workers are fresh processes, so a study is not affected.
     """
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised where Ctrl-C's KeyboardInterrupt would be: the command
+    unwinds the same way (trials cancelled, the job marked interrupted, storage left
+    consistent) and the CLI exits with 128 + the signal's number, as a shell reports it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"terminated by signal {signum}")
+        self.signum = signum
 
 
 def one_line(text: str, limit: int | None = None) -> str:

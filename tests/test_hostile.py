@@ -169,6 +169,12 @@ def bounds(pytestconfig: pytest.Config) -> Iterator[Bounds]:
     import erase_tune.tune.job
     import erase_tune.tune.remote  # noqa: F401
 
+    # The first figure a process draws loads matplotlib's fonts (seconds on a loaded machine):
+    # done here, so a report case is timed for the report, not for the fonts.
+    from matplotlib.figure import Figure
+
+    Figure().savefig(io.BytesIO(), format="png")
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # 2 shared cores: intra-op threads only contend, 7x slower here
     try:

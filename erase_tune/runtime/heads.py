@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from erase_tune._files import aux_weight_problem
 from erase_tune.errors import PlanError, first_line, shown
 from erase_tune.runtime.plan import Cut
 
@@ -76,6 +77,10 @@ def build_heads(cuts: Sequence[Cut], outputs: Mapping[str, Tensor], model_output
     heads: dict[str, nn.Module] = {}
     for cut in cuts:
         out = outputs[cut.name]
+        problem = aux_weight_problem(cut.aux_weight, out.dtype)  # the plan file was checked for float32 only
+        if problem:
+            raise PlanError(f"cut {shown(cut.name)}: aux_weight {cut.aux_weight:g} {problem} (the cut's output is "
+                            f"{str(out.dtype).removeprefix('torch.')})")
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(zlib.crc32(cut.name.encode()))  # same head init in every engine
             head = factory(cut.name, out, model_output).to(device=out.device, dtype=out.dtype)

@@ -33,7 +33,7 @@ from typing import Any
 import yaml
 from torch import nn
 
-from erase_tune._files import load_yaml, read_text
+from erase_tune._files import aux_weight_problem, load_yaml, name_problem, read_text
 from erase_tune.errors import PlanError, one_line, shown
 
 __all__ = [
@@ -86,6 +86,11 @@ def _check_target(module: Any) -> None:
     if not run:
         if not _NAME.match(module):
             raise PlanError(f"module: {shown(module)} is neither a dotted module name nor a run 'parent.start:stop'")
+    # \w admits invisible letters and look-alikes (Hangul fillers, full-width forms)
+    problem = name_problem(run["parent"] if run else module, dotted=True)
+    if problem:
+        raise PlanError(f"module: {shown(module)} {problem}")
+    if not run:
         return
     if len(run["start"]) > _INDEX_DIGITS or len(run["stop"]) > _INDEX_DIGITS:
         raise PlanError(f"module: run {shown(module)} has a bound of more than {_INDEX_DIGITS} digits")
@@ -183,6 +188,9 @@ class Cut:
             weight = math.inf
         if not math.isfinite(weight) or weight <= 0:
             raise PlanError(f"aux_weight: {shown(self.aux_weight)} must be a finite number > 0")
+        problem = aux_weight_problem(weight)  # float32's range (bf16's too); 0 and inf refused above
+        if problem:
+            raise PlanError(f"aux_weight: {shown(self.aux_weight)} {problem}")
         object.__setattr__(self, "aux_weight", weight)
         if not isinstance(self.graph, bool):
             raise PlanError(f"graph: {shown(self.graph)} must be true or false")

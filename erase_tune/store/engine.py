@@ -9,7 +9,6 @@ and driver messages are scrubbed of every secret the URL carried.
 
 from __future__ import annotations
 
-import os
 import re
 from typing import Any
 
@@ -20,6 +19,7 @@ from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 from sqlalchemy.pool import NullPool, StaticPool
 
 from erase_tune import errors
+from erase_tune._env import env_text
 from erase_tune.errors import EraseTuneError
 
 __all__ = ["SUPPORTED_BACKENDS", "STORAGE_ENV", "default_storage_url", "redact_url", "shown_url", "parse_url",
@@ -45,7 +45,7 @@ STORAGE_ENV = "ERASE_TUNE_STORAGE"
 def default_storage_url() -> str:
     """``$ERASE_TUNE_STORAGE`` if set, else the embedded single-machine default: a SQLite
     file in the working directory. (An empty ``--storage`` is an error, not this default.)"""
-    return os.environ.get(STORAGE_ENV) or "sqlite:///erase-tune.db"
+    return env_text(STORAGE_ENV) or "sqlite:///erase-tune.db"
 
 
 def redact_url(url: str | URL) -> str:

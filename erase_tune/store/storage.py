@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import fcntl
 import hashlib
+import logging
 import os
 import threading
 import time
@@ -32,6 +33,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from erase_tune import errors
+from erase_tune._env import env_seconds
 from erase_tune.errors import EraseTuneError
 from erase_tune.store.engine import WRITE_OPTION, engine_kwargs, one_line, parse_url, redact_url, shown_url
 from erase_tune.store.repo import Store
@@ -40,6 +42,7 @@ __all__ = ["Storage", "StorageLost", "open_storage", "retrying", "RETRY_ENV"]
 
 T = TypeVar("T")
 
+log = logging.getLogger(__name__)
 RETRY_ENV = "ERASE_TUNE_STORAGE_RETRY_S"
 """Seconds a lost storage is retried before the driver gives up (default 60)."""
 
@@ -86,7 +89,7 @@ def open_storage(url: str, *, must_exist: bool = False, upgrade: bool = True,
     # dashboard: Optuna creates its tables when it opens a storage) can make set-up's deferred
     # transactions fail at once with "database is locked" instead of waiting: that is retried,
     # within the storage retry window; anything else fails at once, in one line.
-    deadline = time.monotonic() + float(os.environ.get(RETRY_ENV, "60"))
+    deadline = time.monotonic() + env_seconds(RETRY_ENV, 60.0)
     delay = 0.2
     while True:
         try:
@@ -97,6 +100,9 @@ def open_storage(url: str, *, must_exist: bool = False, upgrade: bool = True,
         except Exception as e:  # noqa: BLE001 - any driver/connection error becomes one line
             cause = errors.one_line(_cause(e, parsed), 300)
             if "database is locked" in cause and time.monotonic() + delay < deadline:
+                if delay == 0.2:  # the first wait: say what for, how long, how to stop
+                    log.info(f"storage {shown}: another process is setting it up (database is locked); waiting up to "
+                             f"{deadline - time.monotonic():.0f}s (${RETRY_ENV}): Ctrl-C stops")
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
                 continue
@@ -145,7 +151,7 @@ def retrying(what: str, fn: Callable[[], T], *, url: str, parsed: URL | None = N
     """``fn()``, retried with backoff while the storage is unreachable (lost connection,
     locked, server restarting) for up to ``$ERASE_TUNE_STORAGE_RETRY_S`` seconds; then, or at
     once for a read-only database, :class:`StorageLost` naming the storage and the cause."""
-    budget = float(os.environ.get(RETRY_ENV, "60"))
+    budget = env_seconds(RETRY_ENV, 60.0)
     deadline = time.monotonic() + budget
     delay = 0.2
     while True:
@@ -155,6 +161,9 @@ def retrying(what: str, fn: Callable[[], T], *, url: str, parsed: URL | None = N
             cause = _cause(e, parsed)
             if "readonly" in cause.replace(" ", "").lower() or time.monotonic() + delay > deadline:
                 raise StorageLost(f"storage {url} lost while {what}: {cause}") from None
+            if delay == 0.2:  # the first retry: say what for, how long, how to stop
+                log.warning(f"storage {url} unreachable while {what} ({cause}); retrying for up to {budget:.0f}s "
+                            f"(${RETRY_ENV}): Ctrl-C stops")
             time.sleep(delay)
             delay = min(delay * 2, 5.0)
 

@@ -14,6 +14,7 @@ is replaced after any failure. A hung trial is ended by killing its group's acto
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import signal
 import socket
@@ -22,7 +23,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from erase_tune.errors import EraseTuneError
+from erase_tune._env import UPLOAD_ENV, env_mebibytes, env_text
+from erase_tune.errors import EraseTuneError, Terminated
 from erase_tune.tune.outcome import ConfirmOutcome, Failure, TrialOutcome
 from erase_tune.tune.worker import ConfirmSpec, ReferenceOutcome, ReferenceSpec, TrialSpec
 from erase_tune.tune.workers import WorkerGroup, _first_line
@@ -43,6 +45,21 @@ class TrialHandle:
     cancel_reason: str | None = None
 
 
+WAIT_SAID_AFTER_S = 30.0
+"""A worker group not ready after this long is a wait worth a log line. Starting one takes 1-3 s,
+and up to ~15 s on a loaded machine, where a refusal found while starting (a package that
+did not travel) must stay the command's only line; a real wait lasts up to ``--gpu-wait``."""
+WAIT_REPEAT_S = 60.0
+"""How often a continuing wait is logged again."""
+MAX_UPLOAD_MB = 256.0
+"""Default bound on what ``working_dir`` and ``py_modules`` ship to the workers, together
+(``$ERASE_TUNE_MAX_UPLOAD_MB`` changes it): Ray zips and uploads it, silently, for every job;
+its own hard limit is about 512 MiB, reached only after minutes of hashing."""
+MAX_UPLOAD_FILES = 50_000
+"""Most files counted before giving up (a tree that large is not a workload package)."""
+
+log = logging.getLogger(__name__)
+
 MAX_SLOTS = 1024
 """Most trials in flight at once (a bound on actors created, not a cluster limit seen so far)."""
 
@@ -51,7 +68,7 @@ def resolve_address(address: str | None) -> str | None:
     """``--ray-address``, else ``$RAY_ADDRESS``, else None (a private local Ray)."""
     if address is not None and not address.strip():
         raise EraseTuneError("--ray-address: must not be empty (leave it out for $RAY_ADDRESS or a private local Ray)")
-    return address or os.environ.get("RAY_ADDRESS") or None
+    return address or env_text("RAY_ADDRESS") or None
 
 
 class RayExecutor:
@@ -70,6 +87,7 @@ class RayExecutor:
         if address and address != "auto":
             _check_reachable(address)
         env = dict(runtime_env or {})
+        previous = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
         if not ray.is_initialized():
             try:
                 if address:
@@ -90,7 +108,8 @@ class RayExecutor:
             # SIGTERM (timeout, Kubernetes, `ray job stop`) ends the job as Ctrl-C does: trials
             # cancelled and failed, the job marked interrupted. Set after ray.init, which
             # installs a handler of its own that only prints a stack.
-            signal.signal(signal.SIGTERM, _interrupt)
+            # The handler that was there before (the CLI's, which also sets the exit code), else ours.
+            signal.signal(signal.SIGTERM, previous if callable(previous) else _interrupt)
         resources = ray.cluster_resources()
         gpus, cpus = int(resources.get("GPU", 0)), int(resources.get("CPU", 1))
         if device == "cuda" and not gpus and not address:
@@ -99,6 +118,12 @@ class RayExecutor:
             raise EraseTuneError("device: cuda, but this machine has no GPU (a cluster joined with --ray-address or "
                                  "RAY_ADDRESS may add GPU workers later; a local Ray cannot)")
         self.use_gpu = device == "cuda" or (device == "auto" and gpus > 0)
+        try:
+            _check_fits(ray, address, gpus_per_trial, self.use_gpu, gpu_wait_s)
+        except EraseTuneError:
+            if self._started_ray:
+                ray.shutdown()
+            raise
         self.device = "cuda" if self.use_gpu else "cpu"
         self.gpus_per_trial = gpus_per_trial
         self.gpu_wait_s = gpu_wait_s
@@ -110,6 +135,7 @@ class RayExecutor:
         self._running: dict[Any, TrialHandle] = {}
         self._groups = [self._new_group() for _ in range(self.slots)]
         self._since_ready = time.monotonic()
+        self._wait_said: float | None = None
         self.worker_start_s: list[float] = []
         """Seconds each worker group took from creation to ready (once per slot, and after failures)."""
 
@@ -134,13 +160,31 @@ class RayExecutor:
             ready += state == "ready" and g not in busy
         if any(g.state == "ready" for g in self._groups) or self._running:
             self._since_ready = time.monotonic()
+            self._wait_said = None
         elif time.monotonic() - self._since_ready > self.gpu_wait_s:
             what = f"{self.gpus_per_trial} GPU(s) on one node" if self.use_gpu else f"{self.gpus_per_trial} CPU(s)"
             have = self._ray.cluster_resources()
             raise EraseTuneError(f"waited {self.gpu_wait_s:.0f}s for {what} for a trial; the cluster has "
                                  f"{int(have.get('GPU', 0))} GPUs and {int(have.get('CPU', 0))} CPUs "
                                  "(add GPU workers, or raise --gpu-wait)")
+        elif time.monotonic() - self._since_ready > WAIT_SAID_AFTER_S:
+            self._say_waiting()
         return ready
+
+    def _say_waiting(self) -> None:
+        """Log what a trial waits for, how long at most and how to stop, when the wait begins
+        and every WAIT_REPEAT_S after (at INFO: shown without -v)."""
+        now = time.monotonic()
+        if self._wait_said is not None and now - self._wait_said < WAIT_REPEAT_S:
+            return
+        self._wait_said = now
+        what = (f"{self.gpus_per_trial} GPU(s) on one node" if self.use_gpu
+                else f"{self.gpus_per_trial} CPU(s) on one node")
+        have = self._ray.cluster_resources()
+        waited = now - self._since_ready
+        log.info(f"waiting for {what} to start trial workers ({waited:.0f}s of at most {self.gpu_wait_s:.0f}s; the "
+                 f"cluster has {int(have.get('GPU', 0))} GPUs and {int(have.get('CPU', 0))} CPUs): Ctrl-C stops, "
+                 "--gpu-wait sets the limit")
 
     def wait_ready(self) -> None:
         """Block until one slot's workers have started (imports done): a cluster that cannot
@@ -202,6 +246,8 @@ class RayExecutor:
 
     def _confirm_once(self, spec: ConfirmSpec, timeout: float) -> ConfirmOutcome:
         deadline = time.monotonic() + timeout
+        log.info(f"confirming {len(spec.plans)} front plan(s) over {spec.windows} windows on one trial slot: at most "
+                 f"{timeout:.0f}s; Ctrl-C stops (nothing is stored for an unfinished confirmation)")
         while not self.idle():
             if time.monotonic() > deadline:
                 return ConfirmOutcome(failure=Failure(kind="infra", reason="no free trial slot for the confirmation"))
@@ -290,7 +336,7 @@ class RayExecutor:
 
 
 def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"terminated by signal {signum}")
+    raise Terminated(signum)
 
 
 def _check_reachable(address: str) -> None:
@@ -307,12 +353,72 @@ def _check_reachable(address: str) -> None:
         raise EraseTuneError(f"--ray-address: nothing answers at {address} ({e.strerror or e})") from None
 
 
+def _check_fits(ray: Any, address: str | None, ranks: int, use_gpu: bool, wait_s: float) -> None:
+    """Refuse a trial no node can ever hold: a private local Ray cannot grow, so a trial of
+    more ranks (one CPU each, and one GPU each on GPUs) than this machine has would wait for
+    ``--gpu-wait`` seconds and then fail. A joined cluster may autoscale: there it is a wait,
+    said at once."""
+    need = {"CPU": ranks, **({"GPU": ranks} if use_gpu else {})}
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive", True)]
+    if any(all(node.get(k, 0) >= v for k, v in need.items()) for node in nodes):
+        return
+    biggest = max(nodes, key=lambda n: (n.get("GPU", 0), n.get("CPU", 0)), default={})
+    what = f"{ranks} GPU(s) and {ranks} CPU(s)" if use_gpu else f"{ranks} CPU(s) (one per rank)"
+    has = f"{int(biggest.get('GPU', 0))} GPU(s) and {int(biggest.get('CPU', 0))} CPU(s)"
+    if not address:
+        raise EraseTuneError(f"gpus_per_trial: {ranks} ranks need {what} on one node, and this machine's private local "
+                             f"Ray has {has}; it cannot grow: lower gpus_per_trial in the space, or join a cluster "
+                             "that has them with --ray-address")
+    log.warning(f"no node of the cluster at {address} has {what} now (the largest has {has}); waiting up to "
+                f"{wait_s:.0f}s for the autoscaler to add one: Ctrl-C stops, --gpu-wait sets the limit")
+
+
+def _tree_size(root: str, limit: int) -> tuple[int, int]:
+    """Bytes and files under ``root`` (a file counts itself), counting stops past ``limit``
+    bytes or MAX_UPLOAD_FILES files; ``.git`` is skipped (Ray does not ship it either)."""
+    if not os.path.isdir(root):
+        return os.path.getsize(root), 1
+    total = files = 0
+    for top, dirs, names in os.walk(root, onerror=None):
+        dirs[:] = [d for d in dirs if d != ".git"]
+        for name in names:
+            try:
+                total += os.lstat(os.path.join(top, name)).st_size
+            except OSError:
+                continue
+            files += 1
+            if total > limit or files > MAX_UPLOAD_FILES:
+                return total, files
+    return total, files
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
 def runtime_env(working_dir: str | None, py_modules: Sequence[str]) -> dict[str, Any]:
-    """Ray's ``runtime_env`` that ships a user's workload package to the workers."""
+    """Ray's ``runtime_env`` that ships a user's workload package to the workers; what it
+    ships is measured first and bounded (``$ERASE_TUNE_MAX_UPLOAD_MB``, default MAX_UPLOAD_MB)."""
     env: dict[str, Any] = {}
     for path in [p for p in [working_dir, *py_modules] if p]:
         if not os.path.exists(path):
             raise EraseTuneError(f"--working-dir/--py-module: {path} does not exist")
+    limit = int(env_mebibytes(UPLOAD_ENV, MAX_UPLOAD_MB) * 2**20)
+    total = 0
+    for flag, path in [("--working-dir", working_dir), *(("--py-module", p) for p in py_modules)]:
+        if not path:
+            continue
+        size, files = _tree_size(path, limit - total)
+        total += size
+        if files > MAX_UPLOAD_FILES:
+            raise EraseTuneError(f"{flag}: {path} holds more than {MAX_UPLOAD_FILES} files ({_mib(size)} so far); Ray "
+                                 "would zip and upload all of them to every worker: point it at the package's "
+                                 "own directory")
+        if total > limit:
+            raise EraseTuneError(f"{flag}: {path} holds more than {_mib(size)}: with the rest, over the {_mib(limit)} "
+                                 f"limit on what is shipped to the Ray workers: point it at the package's own "
+                                 f"directory, or raise ${UPLOAD_ENV}")
+        log.info(f"shipping {flag.removeprefix('--')} {path} to the Ray workers: {_mib(size)} in {files} file(s)")
     if working_dir:
         env["working_dir"] = os.path.abspath(working_dir)
     if py_modules:

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import optuna
 
+from erase_tune._files import check_output, write_atomic
 from erase_tune.errors import EraseTuneError, one_line, shown
 from erase_tune.runtime import ErasePlan
 from erase_tune.store import Confirmation, default_storage_url
@@ -26,7 +26,8 @@ from erase_tune.store.storage import Storage, open_storage
 from erase_tune.tune.study import Attr, FrontPoint, pareto_front
 from erase_tune.tune.worker import ConfirmSpec
 
-__all__ = ["PICKS", "NoConfirmedGain", "Exported", "confirm_front", "export_plan", "pick_point", "load_study"]
+__all__ = ["PICKS", "NoConfirmedGain", "Exported", "confirm_front", "export_plan", "pick_point", "load_study",
+           "storage_files"]
 
 PICKS = ("max-gain", "knee")
 MAX_CONFIRMED = 5
@@ -111,7 +112,7 @@ def export_plan(storage: str | None, study_name: str, out: str | Path, *, max_ne
     """Confirm the front (where not yet confirmed) and write the chosen plan to ``out``."""
     if pick not in PICKS:
         raise EraseTuneError(f"--pick: {pick!r} is not one of {', '.join(PICKS)}")
-    target = _check_output(Path(out))
+    target = _check_output(Path(out), storage)
     db = open_storage(storage if storage is not None else default_storage_url(), must_exist=True)
     try:
         study = load_study(db, study_name)
@@ -146,7 +147,7 @@ def export_plan(storage: str | None, study_name: str, out: str | Path, *, max_ne
         conf = confirmed.get(point.number)
         plan = dataclasses.replace(ErasePlan.from_dict(point.plan),
                                    provenance=_provenance(study, db, point, pick, budget, conf))
-        _write_atomic(target, plan.dumps())
+        _write_atomic(target, plan.dumps(), storage)
         if job is not None:
             db.store.record_export(job, point.number, str(target.resolve()), plan.dumps())
         return Exported(plan=plan, point=point, confirmation=conf, confirmations=confirmed)
@@ -182,31 +183,31 @@ def _provenance(study: optuna.Study, db: Storage, point: FrontPoint, pick: str, 
     return out
 
 
-def _check_output(path: Path) -> Path:
-    if "\0" in str(path):
-        raise EraseTuneError(f"-o: {one_line(str(path), 300)} is not a file name (it holds a NUL character)")
+def storage_files(url: str | None) -> list[Path]:
+    """The files of a SQLite storage (database, journal, WAL, shared memory) that no ``-o``
+    may replace; none for a server database. A URL that does not parse protects nothing here:
+    opening the storage reports it."""
+    from erase_tune.store.engine import parse_url
+
     try:
-        if path.is_dir():
-            raise EraseTuneError(f"-o: {path} is a directory; give the plan file's path")
-        parent = path.resolve().parent
-        if not parent.is_dir():
-            raise EraseTuneError(f"-o: directory {parent} does not exist")
-    except OSError as e:  # a name too long for the file system, say
-        raise EraseTuneError(f"-o: {one_line(str(path), 300)}: {e.strerror or e}") from None
+        parsed = parse_url(url if url is not None else default_storage_url())
+    except EraseTuneError:
+        return []
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+        return []
+    db = Path(os.path.realpath(parsed.database))  # SQLite puts its journal files next to the real file
+    return [db, *(db.with_name(db.name + suffix) for suffix in ("-journal", "-wal", "-shm"))]
+
+
+def _check_output(path: Path, storage: str | None = None) -> Path:
+    """The plan file's path, checked before the storage is even opened (see :func:`check_output`)."""
+    target = check_output(path, flag="-o", protect=storage_files(storage))
+    parent = Path(os.path.realpath(target)).parent
     if not os.access(parent, os.W_OK):
-        raise EraseTuneError(f"-o: directory {parent} is not writable")
-    return path
+        raise EraseTuneError(f"-o: directory {one_line(str(parent), 300)} is not writable")
+    return target
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.resolve().parent)
-    except OSError as e:
-        raise EraseTuneError(f"-o: cannot write in {path.resolve().parent}: {e.strerror or e}") from None
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except OSError as e:
-        Path(tmp).unlink(missing_ok=True)
-        raise EraseTuneError(f"-o: cannot write {path}: {e.strerror or e}") from None
+def _write_atomic(path: Path, text: str, storage: str | None = None) -> None:
+    # checked again: the confirmation before this can take minutes
+    write_atomic(path, text, flag="-o", protect=storage_files(storage))

@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from erase_tune._files import name_problem
 from erase_tune.errors import EraseTuneError, shown
 from erase_tune.store import default_storage_url
 from erase_tune.store.engine import parse_url
@@ -96,6 +97,8 @@ def start_job(
     name = study_name if study_name is not None else Path(space_path).stem
     if not name.strip():
         raise EraseTuneError("--study: the study name must not be empty")
+    if problem := name_problem(name):  # status/export must be able to type it back
+        raise EraseTuneError(f"--study: the study name {shown(name)} {problem}")
     url = storage if storage is not None else default_storage_url()
     parse_url(url)  # a malformed URL is refused before Ray starts
     target = trials if trials is not None else space.trials
@@ -125,7 +128,9 @@ def start_job(
         try:
             original = space
             space, reference_error = _graph_reference(db, space, name, executor)
-            loop = _set_up(db, space, name, str(space_path), target, checked, executor, on_progress, reference_error)
+            # absolute: export re-reads the space's relative py_modules against its directory, from anywhere
+            loop = _set_up(db, space, name, os.path.abspath(space_path), target, checked, executor, on_progress,
+                           reference_error)
             # The first line of a job that runs (a refusal before this point is its one error line).
             log.info("workload %s: code from module %s runs here and on the workers (a space file is trusted like "
                      "a script)", space.workload, module)

@@ -20,6 +20,7 @@ import pickle
 import tempfile
 from pathlib import Path
 
+from erase_tune._env import env_text
 from erase_tune.tune.outcome import TrialOutcome
 
 __all__ = ["JOURNAL_ENV", "Entry", "Journal"]
@@ -41,7 +42,7 @@ class Journal:
     """The journal of one study on one storage (``storage`` is the redacted URL)."""
 
     def __init__(self, storage: str, study: str) -> None:
-        root = Path(os.environ.get(JOURNAL_ENV) or Path.home() / ".local" / "state" / "erase-tune" / "journal")
+        root = Path(env_text(JOURNAL_ENV) or Path.home() / ".local" / "state" / "erase-tune" / "journal")
         digest = hashlib.sha256(f"{storage}\n{study}".encode()).hexdigest()[:16]
         self.dir = root / digest
 

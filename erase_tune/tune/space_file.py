@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from erase_tune._files import aux_weight_problem
 from erase_tune.confirm import GAIN_OVER
 from erase_tune.errors import EraseTuneError, PlanError, shown
 from erase_tune.runtime import DISPATCH_MODES, Cut, ErasePlan
@@ -87,6 +88,9 @@ def parse(data: Any, base: Path) -> dict[str, Any]:
         raise _Error("cuts.aux_weight.log: must be true or false")
     if not 0 < low <= high <= 1e6:
         raise _Error(f"cuts.aux_weight: need 0 < low <= high <= 1e6, got low={low}, high={high}")
+    for bound, value in (("low", low), ("high", high)):  # a λ every plan of the space can train with
+        if problem := aux_weight_problem(value):
+            raise _Error(f"cuts.aux_weight.{bound}: {shown(value)} {problem}")
 
     objectives = data.get("objectives", list(METRIC_NAMES))
     if not isinstance(objectives, list) or objectives != list(METRIC_NAMES):

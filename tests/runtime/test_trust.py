@@ -195,3 +195,14 @@ def test_a_plan_without_cuts_or_placements_does_not_probe():
     assert calls == []
     EraseEngine(Counting(), ErasePlan(cuts=(Cut(module="a"),)), loss_fn=logit_loss, example=toy_batch())
     assert len(calls) == 1  # one probe forward, for the checks and the heads together
+
+
+def test_an_aux_weight_the_cuts_dtype_cannot_hold_is_one_line():
+    """λ = 1e-6 is a fine float32 but below float16's smallest normal: the piece would not train."""
+    from erase_tune import Cut, EraseEngine, ErasePlan, PlanError
+    from tests.runtime.models import Toy, loss_fn, toy_batch
+
+    model = Toy().half()
+    with pytest.raises(PlanError, match=r"cut 'towers.0': aux_weight 1e-06 is below the smallest normal float16"):
+        EraseEngine(model, ErasePlan(cuts=(Cut(module="towers.0", aux_weight=1e-6),)), loss_fn=loss_fn,
+                    example=toy_batch(dtype=torch.float16))
