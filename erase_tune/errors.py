@@ -9,6 +9,8 @@ the line or flood the terminal.
 
 from __future__ import annotations
 
+import re
+
 __all__ = ["EraseTuneError", "PlanError", "WorkloadError", "CaptureError", "Terminated", "shown", "one_line",
            "first_line"]
 
@@ -64,7 +66,11 @@ def shown(value: object, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def first_line(e: BaseException, limit: int = 200) -> str:
-    """An exception's first line of text (its type's name if it has none), for a one-line error."""
-    text = str(e).strip().splitlines()
-    return one_line(text[0] if text else type(e).__name__)[:limit]
+def first_line(e: BaseException, limit: int = 300) -> str:
+    """An exception's first non-empty line (its type's name if it has none), for a one-line
+    error; terminal colour codes (Ray colours its errors) are dropped, the rest made printable."""
+    lines = [line for line in _ANSI.sub("", str(e)).strip().splitlines() if line.strip()]
+    return one_line(lines[0] if lines else type(e).__name__)[:limit]
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")

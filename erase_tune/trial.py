@@ -40,6 +40,7 @@ from erase_tune.measure.stats import gain
 from erase_tune.runtime import EraseEngine, ErasePlan
 from erase_tune.runtime.device import resolve_device
 from erase_tune.workloads import Workload, WorkloadData
+from erase_tune.workloads.limits import MAX_SEED
 
 __all__ = ["Budget", "VariantResult", "TrialResult", "TrialFailed", "run_trial", "build_engine", "Variant", "jsonable_args",
            "release", "reference_capture_error", "UNKNOWN", "BASELINE"]
@@ -48,7 +49,6 @@ GRAPH_WARMUP = 3
 """Eager steps an engine runs before capturing a CUDA graph (capture happens on the next)."""
 MAX_STEPS = 1_000_000
 """Largest step count of any budget field: a trial is minutes, not weeks."""
-MAX_SEED = 2**32 - 1
 BASELINE = "baseline"
 """The variant every trial of a workload shares: a failure that names it fails every trial."""
 

@@ -101,7 +101,7 @@ def _check_target(module: Any) -> None:
         raise PlanError(f"module: run {shown(module)} has {stop - start} blocks, more than the limit of {MAX_RUN}")
 
 
-def _members(module: str) -> tuple[str, ...]:
+def members_of(module: str) -> tuple[str, ...]:
     """The submodule names a target covers, in call order (only for a run checked against a model)."""
     (parent, run) = _parse(module)
     if run is None:
@@ -203,7 +203,7 @@ class Cut:
     @property
     def members(self) -> tuple[str, ...]:
         """The submodule names this cut covers, in call order (for a plan checked against its model)."""
-        return _members(self.module)
+        return members_of(self.module)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -229,7 +229,7 @@ class Placement:
     @property
     def members(self) -> tuple[str, ...]:
         """The submodule names this placement covers, in call order (for a checked plan)."""
-        return _members(self.module)
+        return members_of(self.module)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -259,7 +259,7 @@ class Graphed:
     @property
     def members(self) -> tuple[str, ...]:
         """The submodule names this piece covers, in call order (for a checked plan)."""
-        return _members(self.module)
+        return members_of(self.module)
 
 
 Target = Cut | Placement | Graphed
@@ -413,7 +413,7 @@ class ErasePlan:
         """Raise :class:`PlanError` if a target names a module ``model`` lacks or a malformed run."""
         modules = dict(model.named_modules())
         for label, target in self._labelled():
-            _check_in_model(f"{label}.module", target.module, modules, type(model).__name__)
+            check_in_model(f"{label}.module", target.module, modules, type(model).__name__)
 
     # -- (de)serialisation ---------------------------------------------------------------
 
@@ -526,7 +526,7 @@ _WRAPPER_ATTRS = {"_dmp_wrapped_module", "module", "_orig_mod", "_fsdp_wrapped_m
 """Attribute names under which wrappers hold the module they wrap."""
 
 
-def _check_in_model(label: str, module: str, modules: Mapping[str, nn.Module], model_name: str) -> None:
+def check_in_model(label: str, module: str, modules: Mapping[str, nn.Module], model_name: str) -> None:
     parent, run = _parse(module)
     if run is not None:
         name = ".".join(parent)

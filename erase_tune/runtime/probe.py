@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from erase_tune.errors import EraseTuneError, PlanError, one_line, shown
-from erase_tune.runtime.plan import ErasePlan, _check_in_model, _members
+from erase_tune.runtime.plan import ErasePlan, check_in_model, members_of
 
 __all__ = ["ProbeResult", "FirstStepCheck", "probe", "select_output"]
 
@@ -249,8 +249,8 @@ def probe(model: nn.Module, inputs: tuple, targets: Sequence[str], *,
     modules = dict(model.named_modules())
     model_name = type(model).__name__
     for target in targets:
-        _check_in_model(f"target {shown(target)}", target, modules, model_name)
-    watched = list(dict.fromkeys(m for t in targets for m in _members(t)))
+        check_in_model(f"target {shown(target)}", target, modules, model_name)
+    watched = list(dict.fromkeys(m for t in targets for m in members_of(t)))
     calls: dict[str, list[_Call]] = {m: [] for m in watched}
     with _recording(modules, calls), _eval(model), _forked_rng(model), torch.enable_grad():
         output = model(*inputs)
@@ -381,7 +381,7 @@ class _Record:
 
 
 def _target_record(target: str, calls: Mapping[str, list[_Call]], model_name: str) -> _Record:
-    members = _members(target)
+    members = members_of(target)
     logs = [calls[m] for m in members]
     first, last = logs[0], logs[-1]
     problem = None

@@ -24,10 +24,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from erase_tune._env import UPLOAD_ENV, env_mebibytes, env_text
-from erase_tune.errors import EraseTuneError, Terminated
+from erase_tune.errors import EraseTuneError, Terminated, first_line
 from erase_tune.tune.outcome import ConfirmOutcome, Failure, TrialOutcome
 from erase_tune.tune.worker import ConfirmSpec, ReferenceOutcome, ReferenceSpec, TrialSpec
-from erase_tune.tune.workers import WorkerGroup, _first_line
+from erase_tune.tune.workers import WorkerGroup
 
 __all__ = ["TrialHandle", "RayExecutor", "resolve_address"]
 
@@ -102,7 +102,7 @@ class RayExecutor:
                     reap_children_on_exit()
             except Exception as e:  # noqa: BLE001 - Ray raises anything from a bad address (AssertionError too)
                 where = f"at {address!r}" if address else "locally"
-                raise EraseTuneError(f"cannot start or join Ray {where}: {_first_line(e)}") from None
+                raise EraseTuneError(f"cannot start or join Ray {where}: {first_line(e)}") from None
             self._started_ray = True
         if threading.current_thread() is threading.main_thread():
             # SIGTERM (timeout, Kubernetes, `ray job stop`) ends the job as Ctrl-C does: trials
@@ -262,10 +262,10 @@ class RayExecutor:
             return self._ray.get(ref)
         except self._ray.exceptions.RayTaskError as e:
             return ConfirmOutcome(failure=Failure(kind="trial", reason=f"{type(e.cause).__name__}: "
-                                                                        f"{_first_line(e.cause)}", traceback=str(e)))
+                                                                        f"{first_line(e.cause)}", traceback=str(e)))
         except Exception as e:  # noqa: BLE001 - a worker or node lost during the confirmation
             self._replace(group)
-            return ConfirmOutcome(failure=Failure(kind="infra", reason=f"worker died: {_first_line(e)}"))
+            return ConfirmOutcome(failure=Failure(kind="infra", reason=f"worker died: {first_line(e)}"))
 
     def reference(self, spec: ReferenceSpec, timeout: float, attempts: int = 3) -> ReferenceOutcome:
         """Try the whole-step-graph reference on a free slot (rank 0's GPU) and wait for it; a
@@ -288,9 +288,9 @@ class RayExecutor:
                     outcome = self._ray.get(ref)
                 except self._ray.exceptions.RayTaskError as e:
                     outcome = ReferenceOutcome(failure=Failure(kind="trial", reason=f"{type(e.cause).__name__}: "
-                                                                                     f"{_first_line(e.cause)}"))
+                                                                                     f"{first_line(e.cause)}"))
                 except Exception as e:  # noqa: BLE001 - a worker or node lost during the try
-                    outcome = ReferenceOutcome(failure=Failure(kind="infra", reason=f"worker died: {_first_line(e)}"))
+                    outcome = ReferenceOutcome(failure=Failure(kind="infra", reason=f"worker died: {first_line(e)}"))
             if outcome.reason is not None:
                 self._replace(group)
             if outcome.failure is None or outcome.failure.kind != "infra":
@@ -319,13 +319,13 @@ class RayExecutor:
             return outcome
         except self._ray.exceptions.RayTaskError as e:  # the worker raised: the trial's failure, not the node's
             return TrialOutcome(trial_number=number, failure=Failure(
-                kind="trial", reason=f"{type(e.cause).__name__}: {_first_line(e.cause)}", traceback=str(e)))
+                kind="trial", reason=f"{type(e.cause).__name__}: {first_line(e.cause)}", traceback=str(e)))
         except Exception as e:  # noqa: BLE001 - killed, crashed or lost workers
             if handle.cancel_reason:
                 return TrialOutcome(trial_number=number, failure=Failure(kind="trial", reason=handle.cancel_reason))
             return TrialOutcome(trial_number=number,
                                 failure=Failure(kind="infra", reason=f"worker died: {type(e).__name__}: "
-                                                                     f"{_first_line(e)}"))
+                                                                     f"{first_line(e)}"))
 
     def _replace(self, group: WorkerGroup) -> None:
         try:

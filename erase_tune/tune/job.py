@@ -45,6 +45,7 @@ from erase_tune.tune.space import SearchSpace, plan_key
 from erase_tune.tune.space_file import MAX_TRIALS
 from erase_tune.tune.study import Attr, FrontPoint, make_sampler, open_study, pareto_front
 from erase_tune.tune.worker import ReferenceSpec
+from erase_tune.workloads import module_of
 
 __all__ = ["JobSummary", "start_job", "JobFailed"]
 
@@ -93,7 +94,7 @@ def start_job(
 ) -> JobSummary:
     """Run (or resume) a tuning job; see the module docstring."""
     space = SearchSpace.load(space_path)
-    module = space.workload.partition(":")[0] if ":" in space.workload else f"erase_tune.workloads.{space.workload}"
+    module = module_of(space.workload)
     name = study_name if study_name is not None else Path(space_path).stem
     if not name.strip():
         raise EraseTuneError("--study: the study name must not be empty")

@@ -23,11 +23,11 @@ from erase_tune.runtime import DISPATCH_MODES, Cut, ErasePlan
 from erase_tune.runtime.plan import MAX_STREAMS, MAX_TARGETS
 from erase_tune.trial import MAX_STEPS, Budget
 from erase_tune.tune.study import METRIC_NAMES, SAMPLERS
+from erase_tune.workloads.limits import MAX_SEED
 
 __all__ = ["parse", "MAX_TRIALS", "MAX_SEED", "MODES", "STREAMS"]
 
 MAX_TRIALS = 100_000
-MAX_SEED = 2**32 - 1
 """numpy's seed range: a larger sampler seed would fail only after the study was written."""
 _TOP = {"workload", "cuts", "objectives", "gain_over", "max_ne_gap", "sampler", "budget", "trials", "seed", "device",
         "seeds", "gpus_per_trial"}

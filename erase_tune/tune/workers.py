@@ -18,10 +18,10 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
-import re
 import time
 from typing import Any
 
+from erase_tune.errors import first_line
 from erase_tune.tune.outcome import ConfirmOutcome, Failure, TrialOutcome, WorkerInfo
 from erase_tune.tune.worker import (
     ConfirmSpec,
@@ -44,9 +44,9 @@ class TrialWorker:
         self.failure: Failure | None = None
         try:
             import erase_tune.trial  # noqa: F401 - torch and the library, once per process
+            from erase_tune.workloads import module_of
 
-            module = workload.partition(":")[0] if ":" in workload else f"erase_tune.workloads.{workload}"
-            importlib.import_module(module)
+            importlib.import_module(module_of(workload))
         except Exception as e:  # noqa: BLE001 - reported by ready(), not by a dead actor
             self.failure = classify(e)
 
@@ -139,7 +139,7 @@ class WorkerGroup:
             try:
                 answers = ray.get(self._pending)
             except Exception as e:  # noqa: BLE001 - an actor lost while starting (its node went away)
-                self.failure = Failure(kind="infra", reason=f"trial worker lost while starting: {_first_line(e)}")
+                self.failure = Failure(kind="infra", reason=f"trial worker lost while starting: {first_line(e)}")
                 self.state = "lost"
             else:
                 self.failure = next((f for f, _ in answers if f is not None), None)
@@ -172,12 +172,3 @@ class WorkerGroup:
             ray.kill(a, no_restart=True)
         ray.util.remove_placement_group(self.pg)
         self.actors, self.state = [], "broken"
-
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def _first_line(e: BaseException) -> str:
-    """The first non-empty line of an exception's message, without Ray's terminal colours."""
-    lines = [line for line in _ANSI.sub("", str(e)).strip().splitlines() if line.strip()]
-    return (lines[0] if lines else type(e).__name__)[:300]

@@ -23,7 +23,7 @@ import torch
 from erase_tune.errors import WorkloadError, one_line, shown
 from erase_tune.workloads.base import Batch, Workload, WorkloadData
 
-__all__ = ["BUILTINS", "Batch", "Workload", "WorkloadData", "get_workload"]
+__all__ = ["BUILTINS", "Batch", "Workload", "WorkloadData", "get_workload", "module_of"]
 
 BUILTINS = ("ctr", "gpt", "mlp", "dlrm")
 """Built-in workloads; each is ``erase_tune.workloads.<name>.workload``."""
@@ -65,6 +65,12 @@ def get_workload(name: str, args: Mapping[str, Any] | None = None) -> Workload:
         recorded = dict(result.args) or _resolved(factory, call_args)
         result = dataclasses.replace(result, name=name, args=recorded)
     return result
+
+
+def module_of(name: str) -> str:
+    """The module a workload's code lives in: ``erase_tune.workloads.<name>`` for a built-in,
+    the module part of ``package.module:factory`` otherwise."""
+    return name.partition(":")[0] if ":" in name else f"erase_tune.workloads.{name}"
 
 
 def fused_if_cuda(cls: type[torch.optim.Optimizer], params: Iterable[Any], **kwargs: Any) -> torch.optim.Optimizer:

@@ -32,7 +32,14 @@ from erase_tune.workloads import fused_if_cuda
 from erase_tune.workloads.base import Batch, Workload, WorkloadData, prior_entropy
 from erase_tune.workloads.criteo import NUM_DENSE, NUM_SPARSE, load_criteo_tsv
 from erase_tune.workloads.limits import (
+    CRITEO_BYTES_PER_LINE,
+    CRITEO_MIN_LINE_BYTES,
     MAX_SEED,
+    SYNTHETIC_BYTES_PER_EXAMPLE,
+    SYNTHETIC_BYTES_PER_ID,
+    SYNTHETIC_BYTES_PER_ROW,
+    SYNTHETIC_BYTES_PER_TABLE,
+    SYNTHETIC_BYTES_PER_TABLE_ROW,
     TRAINING_BYTES_PER_PARAMETER,
     Need,
     check_int,
@@ -479,19 +486,6 @@ _BOUNDS = {
     "seed": (0, MAX_SEED),
 }
 
-# Building the synthetic pool holds the teacher's intermediates for every example at once.
-# Peak host memory measured on a CPU (torch 2.13; 24 to 48 batches of 4096, 8 and 26 tables,
-# bag 1 and 4): 1.9-3.1 kB per example at bag 1, +26 B per extra id; and 17-20 B per table
-# row plus 12 B per row for the ids' popularity order. Rounded up here.
-_SYNTHETIC_BYTES_PER_EXAMPLE = 1500
-_SYNTHETIC_BYTES_PER_TABLE = 70
-_SYNTHETIC_BYTES_PER_ID = 30
-_SYNTHETIC_BYTES_PER_TABLE_ROW = 20
-_SYNTHETIC_BYTES_PER_ROW = 12
-# Reading a TSV keeps each line as Python lists (a float and 39 boxed numbers) until the
-# tensors are built; the shortest valid line is 41 bytes (a label, 39 tabs, a newline).
-_CRITEO_BYTES_PER_LINE = 2000
-_CRITEO_MIN_LINE_BYTES = 41
 
 
 def _parameter_count(args: dict[str, Any]) -> tuple[int, int]:
@@ -535,19 +529,19 @@ def _needs(args: dict[str, Any]) -> list[Need]:
     ]
     if args["data"] == "synthetic":
         per_example = (
-            _SYNTHETIC_BYTES_PER_EXAMPLE + _SYNTHETIC_BYTES_PER_TABLE * t + _SYNTHETIC_BYTES_PER_ID * t * args["bag"]
+            SYNTHETIC_BYTES_PER_EXAMPLE + SYNTHETIC_BYTES_PER_TABLE * t + SYNTHETIC_BYTES_PER_ID * t * args["bag"]
         )
         needs.append(Need("the train/eval pools", examples * per_example, pools))
         needs.append(
             Need(
                 "the synthetic ids' popularity order",
-                rows * (_SYNTHETIC_BYTES_PER_TABLE_ROW * t + _SYNTHETIC_BYTES_PER_ROW),
+                rows * (SYNTHETIC_BYTES_PER_TABLE_ROW * t + SYNTHETIC_BYTES_PER_ROW),
                 f"num_tables={t} x rows={rows}",
             )
         )
     else:
-        lines = min(examples, os.path.getsize(args["data"]) // _CRITEO_MIN_LINE_BYTES + 1)
-        needs.append(Need("the train/eval pools", lines * _CRITEO_BYTES_PER_LINE, pools))
+        lines = min(examples, os.path.getsize(args["data"]) // CRITEO_MIN_LINE_BYTES + 1)
+        needs.append(Need("the train/eval pools", lines * CRITEO_BYTES_PER_LINE, pools))
     return needs
 
 

@@ -34,17 +34,20 @@ from torch import Tensor, nn
 from erase_tune.errors import WorkloadError, shown
 from erase_tune.workloads.base import Batch, Workload, WorkloadData, prior_entropy
 from erase_tune.workloads.criteo import NUM_DENSE, NUM_SPARSE, load_criteo_tsv
-from erase_tune.workloads.ctr import (
-    _CRITEO_BYTES_PER_LINE,
-    _CRITEO_MIN_LINE_BYTES,
-    _SYNTHETIC_BYTES_PER_EXAMPLE,
-    _SYNTHETIC_BYTES_PER_ID,
-    _SYNTHETIC_BYTES_PER_ROW,
-    _SYNTHETIC_BYTES_PER_TABLE,
-    _SYNTHETIC_BYTES_PER_TABLE_ROW,
-    synthetic_ctr,
+from erase_tune.workloads.ctr import synthetic_ctr
+from erase_tune.workloads.limits import (
+    CRITEO_BYTES_PER_LINE,
+    CRITEO_MIN_LINE_BYTES,
+    MAX_SEED,
+    SYNTHETIC_BYTES_PER_EXAMPLE,
+    SYNTHETIC_BYTES_PER_ID,
+    SYNTHETIC_BYTES_PER_ROW,
+    SYNTHETIC_BYTES_PER_TABLE,
+    SYNTHETIC_BYTES_PER_TABLE_ROW,
+    Need,
+    check_int,
+    check_memory,
 )
-from erase_tune.workloads.limits import MAX_SEED, Need, check_int, check_memory
 
 __all__ = ["DLRM_Net", "parse_mlp", "workload"]
 
@@ -248,14 +251,14 @@ def _needs(args: dict[str, Any]) -> list[Need]:
              f"bot_mlp={args['bot_mlp']!r}, top_mlp={args['top_mlp']!r}, num_tables={t}, emb_dim={e}"),
     ]  # fmt: skip
     if args["data"] == "synthetic":
-        per_example = _SYNTHETIC_BYTES_PER_EXAMPLE + (_SYNTHETIC_BYTES_PER_TABLE + _SYNTHETIC_BYTES_PER_ID) * t
+        per_example = SYNTHETIC_BYTES_PER_EXAMPLE + (SYNTHETIC_BYTES_PER_TABLE + SYNTHETIC_BYTES_PER_ID) * t
         needs.append(Need("the train/eval pools", examples * per_example, pools))
         needs.append(Need("the synthetic ids' popularity order",
-                          rows * (_SYNTHETIC_BYTES_PER_TABLE_ROW * t + _SYNTHETIC_BYTES_PER_ROW),
+                          rows * (SYNTHETIC_BYTES_PER_TABLE_ROW * t + SYNTHETIC_BYTES_PER_ROW),
                           f"num_tables={t} x rows={rows}"))  # fmt: skip
     else:
-        lines = min(examples, os.path.getsize(args["data"]) // _CRITEO_MIN_LINE_BYTES + 1)
-        needs.append(Need("the train/eval pools", lines * _CRITEO_BYTES_PER_LINE, pools))
+        lines = min(examples, os.path.getsize(args["data"]) // CRITEO_MIN_LINE_BYTES + 1)
+        needs.append(Need("the train/eval pools", lines * CRITEO_BYTES_PER_LINE, pools))
     return needs
 
 

@@ -29,6 +29,13 @@ from erase_tune.errors import WorkloadError, shown
 
 __all__ = [
     "MAX_SEED",
+    "SYNTHETIC_BYTES_PER_EXAMPLE",
+    "SYNTHETIC_BYTES_PER_TABLE",
+    "SYNTHETIC_BYTES_PER_ID",
+    "SYNTHETIC_BYTES_PER_TABLE_ROW",
+    "SYNTHETIC_BYTES_PER_ROW",
+    "CRITEO_BYTES_PER_LINE",
+    "CRITEO_MIN_LINE_BYTES",
     "TRAINING_BYTES_PER_PARAMETER",
     "Need",
     "check_int",
@@ -111,3 +118,18 @@ def check_memory(workload: str, needs: Iterable[Need]) -> None:
         f"workload {workload!r}: {largest.cause} needs about {format_bytes(largest.nbytes)} for {largest.what}"
         f"{in_all}, more than this machine's {format_bytes(cap)} of memory"
     )
+
+
+# Building the synthetic pool holds the teacher's intermediates for every example at once.
+# Peak host memory measured on a CPU (torch 2.13; 24 to 48 batches of 4096, 8 and 26 tables,
+# bag 1 and 4): 1.9-3.1 kB per example at bag 1, +26 B per extra id; and 17-20 B per table
+# row plus 12 B per row for the ids' popularity order. Rounded up here.
+SYNTHETIC_BYTES_PER_EXAMPLE = 1500
+SYNTHETIC_BYTES_PER_TABLE = 70
+SYNTHETIC_BYTES_PER_ID = 30
+SYNTHETIC_BYTES_PER_TABLE_ROW = 20
+SYNTHETIC_BYTES_PER_ROW = 12
+# Reading a TSV keeps each line as Python lists (a float and 39 boxed numbers) until the
+# tensors are built; the shortest valid line is 41 bytes (a label, 39 tabs, a newline).
+CRITEO_BYTES_PER_LINE = 2000
+CRITEO_MIN_LINE_BYTES = 41
