@@ -83,11 +83,35 @@ def cmd_trial(ns: argparse.Namespace) -> int:
         result = run_trial(workload, plan, _budget(ns), device=ns.device)
     except PlanError as e:
         raise PlanError(f"{ns.plan}: {e}") from None
+    floor = _noise_floor(ns, workload)
     if ns.json:
-        _emit_json(result.to_dict())
+        _emit_json({**result.to_dict(), "noise_floor": None if floor is None else floor.to_dict()})
     else:
         print(trial_table(result))
+        if floor is not None:
+            print(_noise_line(floor, result.ne_gap, plan))
     return 0
+
+
+def _noise_floor(ns: argparse.Namespace, workload: Any) -> Any:
+    """``--noise-floor N``: the NE gap's noise floor at this budget (erase_tune.noise), or None."""
+    if not ns.noise_floor:
+        return None
+    from erase_tune.noise import measure_noise_floor
+
+    return measure_noise_floor(workload, _budget(ns), repeats=ns.noise_floor, device=ns.device)
+
+
+def _noise_line(floor: Any, ne_gap: float | None, plan: Any = None) -> str:
+    from erase_tune.noise import exact_by_construction
+
+    line = f"noise floor of the NE gap: {floor.describe()}"
+    if plan is not None and exact_by_construction(plan):
+        return line + f"\nthis plan has no cuts: exact by construction, its NE gap {ne_gap:+.3%} is noise"
+    if ne_gap is not None:
+        within = abs(ne_gap) <= floor.band
+        line += f"\nthis plan's NE gap {ne_gap:+.3%} is {'within' if within else 'beyond'} the noise"
+    return line
 
 
 def cmd_bench(ns: argparse.Namespace) -> int:
@@ -100,12 +124,16 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     result = run_bench(workload, budget=_budget(ns), device=ns.device, cuts=cuts, streams=ns.streams,
                        trace_dir=ns.trace, only=only)
     if ns.json:
-        _emit_json(result.to_dict())
+        floor = _noise_floor(ns, workload)
+        _emit_json({**result.to_dict(), **({"noise_floor": floor.to_dict()} if floor is not None else {})})
         return 0
     prov = result.provenance
     print(f"workload {result.workload} (batch {result.batch_size}) on {prov['device_name']}, "
           f"torch {prov['torch']}, cuda {prov['cuda']}; cuts {', '.join(prov['cuts'])}; {prov['streams']} streams")
     print(result.table())
+    floor = _noise_floor(ns, workload)
+    if floor is not None:
+        print(_noise_line(floor, None))
     return 0
 
 
@@ -169,6 +197,12 @@ def cmd_export(ns: argparse.Namespace) -> int:
     if c is not None:
         print(f"confirmed gain {c.gain:+.2%} [95% interval {c.gain_lo:+.2%}, {c.gain_hi:+.2%}] over {c.windows} windows"
               + ("" if c.gain_lo > 0 else "  (NOT a confirmed gain: written because of --force)"))
+    q = done.plan.provenance
+    if "confirmed_ne_gap" in q:
+        print(f"confirmed NE gap {q['confirmed_ne_gap']:+.2%} [95% interval {q['confirmed_ne_gap_lo']:+.2%}, "
+              f"{q['confirmed_ne_gap_hi']:+.2%}] over {q['confirmed_ne_seeds']} seeds of {q['confirmed_ne_steps']} "
+              f"steps; noise floor ±{q['ne_noise_band']:.2%}" + ("  (no cuts: exact by construction)" if q.get("exact")
+                                                                else ""))
     print(f"plan: {done.plan.describe()}")
     return 0
 

@@ -45,6 +45,9 @@ def _add_budget(p: argparse.ArgumentParser, quality: bool = True) -> None:
     if quality:
         p.add_argument("--quality-steps", type=int, default=0, help="extra training steps before NE (default 0)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--noise-floor", type=int, default=0, metavar="N",
+                   help="also measure the NE gap's noise floor: the baseline against itself over N other data orders "
+                        "(and the whole-step graph on CUDA); default 0: not measured")
 
 
 def trial_args(p: argparse.ArgumentParser) -> None:

@@ -4,7 +4,8 @@ This is the seam between the service and the library: a Ray actor (or anything e
 :func:`run_spec` in its process; it builds the workload, runs
 :func:`erase_tune.trial.run_trial` and turns every way a trial can go wrong into a
 :class:`~erase_tune.tune.outcome.Failure` of the right kind, so a broken trial is recorded,
-not fatal. :func:`run_confirm` does the same for a confirming re-measurement.
+not fatal. :func:`run_confirm` does the same for a confirming re-measurement (of speed or of quality)
+and for the noise floor a job measures before its trials.
 """
 
 from __future__ import annotations
@@ -49,6 +50,15 @@ class ConfirmSpec:
     windows: int
     gain_over: str
     device: str = "auto"
+    task: str = "speed"
+    """``speed`` (:func:`erase_tune.confirm.confirm_plans`), ``quality``
+    (:func:`erase_tune.noise.confirm_quality`) or ``noise`` (:func:`erase_tune.noise.measure_noise_floor`;
+    ``plans`` is then empty)."""
+    band: float = 0.0
+    """``quality``: the job's noise floor band (the interval of plans exact by construction)."""
+
+
+CONFIRM_TASKS = ("speed", "quality", "noise")
 
 
 def run_spec(spec: TrialSpec, info: Callable[[], dict[str, Any]] = dict, process_group: Any = None) -> TrialOutcome:
@@ -84,12 +94,30 @@ def run_confirm(spec: ConfirmSpec, info: Callable[[], dict[str, Any]] = dict,
         workload = get_workload(spec.workload, dict(spec.workload_args))
         plans = {name: ErasePlan.from_dict(dict(p)) for name, p in spec.plans.items()}
         marks["ready"] = time.time()
+        if spec.task != "speed":
+            return _quality_or_noise(spec, workload, plans, process_group)
         return confirm_plans(workload, plans, budget=Budget(**spec.budget), windows=spec.windows,
                              gain_over=spec.gain_over, device=spec.device, process_group=process_group)
 
     marks: dict[str, float] = {}
     result, failure, worker = _run(work, marks, info)
     return ConfirmOutcome(result=result, failure=failure, worker=worker)
+
+
+def _quality_or_noise(spec: ConfirmSpec, workload: Any, plans: Mapping[str, Any], process_group: Any) -> Any:
+    """The ``quality`` and ``noise`` tasks of a :class:`ConfirmSpec` (erase_tune.noise)."""
+    from erase_tune.errors import EraseTuneError
+    from erase_tune.noise import confirm_quality, measure_noise_floor
+    from erase_tune.trial import Budget
+
+    budget = Budget(**spec.budget)
+    if spec.task == "noise":
+        return measure_noise_floor(workload, budget, repeats=budget.noise_repeats, device=spec.device,
+                                   process_group=process_group)
+    if spec.task == "quality":
+        return confirm_quality(workload, plans, budget=budget, scale=budget.quality_scale, seeds=budget.quality_seeds,
+                               band=spec.band, device=spec.device, process_group=process_group)
+    raise EraseTuneError(f"confirmation task {spec.task!r} is not one of {', '.join(CONFIRM_TASKS)}")
 
 
 def _run(work: Callable[[], T], marks: dict[str, float],
