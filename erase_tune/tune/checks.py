@@ -23,7 +23,6 @@ import torch
 
 from erase_tune.errors import EraseTuneError, PlanError, shown
 from erase_tune.runtime import Cut, ErasePlan
-from erase_tune.runtime.losscheck import check_loss
 from erase_tune.runtime.plan import targets_overlap
 from erase_tune.runtime.probe import ProbeResult, probe
 from erase_tune.tune.space import Guard, SearchSpace, plan_params
@@ -56,8 +55,7 @@ def check_space(space: SearchSpace) -> CheckedSpace:
             ErasePlan(cuts=(Cut(module=c),)).check_model(model)
         except EraseTuneError as e:
             raise EraseTuneError(f"{space.source}: cuts.candidates: {str(e).split(': ', 1)[-1]}") from None
-    inputs, target = workload.example(torch.device("cpu"))
-    _check_loss(space, workload, model, tuple(inputs), target)
+    inputs, _ = workload.example(torch.device("cpu"))
     found = probe(model, tuple(inputs), candidates)
     can_detach = _guard(found)
     greedy: list[Cut] = []  # every earlier candidate that can be detached, detached
@@ -87,15 +85,6 @@ def check_space(space: SearchSpace) -> CheckedSpace:
         except EraseTuneError as e:
             raise EraseTuneError(f"{space.source}: seeds[{i}] ({shown(seed_name)}): {e}") from None
     return CheckedSpace(candidates=candidates, seeds=seeds, can_detach=can_detach)
-
-
-def _check_loss(space: SearchSpace, workload: Any, model: torch.nn.Module, inputs: tuple, target: Any) -> None:
-    """The workload's loss on the model's own output (erase_tune.runtime.losscheck): a study whose
-    every trial would fail, or report NE in the hundreds, is refused before it starts."""
-    try:
-        check_loss(model, inputs, target, workload.loss_fn)
-    except EraseTuneError as e:
-        raise EraseTuneError(f"{space.source}: workload {workload.name}: {e}") from None
 
 
 def _guard(found: ProbeResult) -> Guard:
