@@ -122,6 +122,11 @@ def start_job(
         executor.wait_ready()
         db = open_storage(url, heartbeat_interval=HEARTBEAT_S, grace_period=grace_period_s)
         try:
+            with db.lock(f"study:{name}"):  # a study of another workload is refused before anything runs
+                _check_resumable(open_study(db.optuna, name), space, name)
+            # The first line of a job that runs (a refusal before this point is its one error line).
+            log.info("workload %s: code from module %s runs here and on the workers (a space file is trusted like "
+                     "a script)", space.workload, module)
             floor, measured_here = _noise_floor(db, space, name, executor)
             band = float(floor["band"]) if floor else 0.0
             loop = _set_up(db, space, name, str(space_path), target, checked, executor, on_progress, band)
@@ -130,9 +135,6 @@ def start_job(
             if floor:
                 log.info("noise floor of the NE gap: ±%.3f%% (a gap above the budget by less is not infeasible)",
                          100 * band)
-            # The first line of a job that runs (a refusal before this point is its one error line).
-            log.info("workload %s: code from module %s runs here and on the workers (a space file is trusted like "
-                     "a script)", space.workload, module)
             summary = _run(db, loop, space, name, executor, confirm_windows)
         finally:
             db.close()
