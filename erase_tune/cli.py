@@ -77,6 +77,7 @@ def cmd_trial(ns: argparse.Namespace) -> int:
     from erase_tune.tune.tables import trial_table
     from erase_tune.workloads import get_workload
 
+    _check_noise_flag(ns)
     plan = ErasePlan.load(ns.plan)
     workload = get_workload(ns.workload, _workload_args(ns.arg))
     try:  # the plan may not fit this model: name the file
@@ -91,6 +92,14 @@ def cmd_trial(ns: argparse.Namespace) -> int:
         if floor is not None:
             print(_noise_line(floor, result.ne_gap, plan))
     return 0
+
+
+def _check_noise_flag(ns: argparse.Namespace) -> None:
+    """``--noise-floor`` is refused before anything is trained, not after the trial."""
+    from erase_tune.trial import MAX_REPEATS
+
+    if not 0 <= ns.noise_floor <= MAX_REPEATS:
+        raise EraseTuneError(f"--noise-floor: {ns.noise_floor} must be in 0..{MAX_REPEATS} (0: not measured)")
 
 
 def _noise_floor(ns: argparse.Namespace, workload: Any) -> Any:
@@ -118,6 +127,7 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     from erase_tune.bench import run_bench
     from erase_tune.workloads import get_workload
 
+    _check_noise_flag(ns)
     workload = get_workload(ns.workload, _workload_args(ns.arg))
     cuts = [c for c in ns.cuts.split(",") if c] if ns.cuts else None
     only = [c.strip() for c in ns.only.split(",") if c.strip()] if ns.only else None
@@ -144,7 +154,8 @@ def cmd_start(ns: argparse.Namespace) -> int:
     summary = start_job(ns.space, study_name=ns.study, trials=ns.trials, storage=ns.storage,
                         ray_address=ns.ray_address, slots=ns.slots, working_dir=ns.working_dir,
                         py_modules=ns.py_module, gpu_wait_s=ns.gpu_wait, grace_period_s=ns.grace_period,
-                        confirm_windows=0 if ns.no_confirm else ns.repeats,
+                        confirm_windows=0 if ns.no_confirm else ns.repeats, quality_scale=ns.quality_scale,
+                        quality_seeds=ns.quality_seeds,
                         on_progress=lambda p: log.info(progress_line(p)))
     flag = f" --storage {shlex.quote(summary.storage)}"
     if ns.json:
@@ -185,7 +196,8 @@ def cmd_export(ns: argparse.Namespace) -> int:
 
     factory = confirming_executor(ns.ray_address, ns.working_dir, ns.py_module)
     done = export_plan(ns.storage, ns.study, ns.output, max_ne_gap=ns.max_ne_gap, pick=ns.pick,
-                       windows=ns.repeats, force=ns.force, executor_factory=factory)
+                       windows=ns.repeats, force=ns.force, executor_factory=factory,
+                       quality_scale=ns.quality_scale, quality_seeds=ns.quality_seeds)
     p, c = done.point, done.confirmation
     if ns.json:
         _emit_json({"output": ns.output, "trial": p.number, "search_qps_gain": p.qps_gain, "ne_gap": p.ne_gap,

@@ -89,3 +89,20 @@ def test_quality_confirmation_trains_longer_over_seeds(workload):
     exact = res.plans["exact"]
     assert exact.exact and exact.ne_gap == 0 and (exact.lo, exact.hi) == (-0.01, 0.01) and exact.per_seed == ()
     assert not exact.above_budget(0.0) and cut.above_budget(cut.ne_gap - 1.0) and not cut.above_budget(cut.ne_gap)
+
+
+def test_the_trial_command_measures_the_noise_floor_when_asked(tmp_path, capsys):
+    from erase_tune.cli import main
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(ErasePlan(placements=(Placement(module="blocks.0", stream=1),), num_streams=1).dumps())
+    argv = ["trial", "--workload", "tests.runtime.transformer:transformer_workload", "--arg", "batch=4",
+            "--arg", "train_batches=4", "--arg", "eval_batches=1", "--plan", str(plan), "--device", "cpu",
+            "--warmup", "5", "--windows", "1", "--window-steps", "1"]
+    assert main([*argv, "--noise-floor", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "noise floor of the NE gap: ±" in out and "(NE gap of the baseline against itself, 6 steps: order" in out
+    assert "exact by construction" in out  # a placement detaches nothing: its gap is noise
+    assert main([*argv, "--noise-floor", "-1"]) == 2  # refused before anything trains
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--noise-floor: -1 must be in 0..100" in err[0]

@@ -34,7 +34,7 @@ from erase_tune.tune.study import Attr, FrontPoint, noise_band, pareto_front
 from erase_tune.tune.worker import ConfirmSpec
 
 __all__ = ["PICKS", "NoConfirmedGain", "Exported", "confirm_front", "confirm_quality_front", "export_plan",
-           "pick_point", "load_study", "quality_refused"]
+           "pick_point", "load_study", "quality_refused", "with_quality"]
 
 PICKS = ("max-gain", "knee")
 MAX_CONFIRMED = 5
@@ -91,6 +91,15 @@ def confirm_front(db: Storage, study: optuna.Study, space_like: Any, executor: A
                                          provenance={**res.provenance, "is_baseline": c.is_baseline})
         out[p.number] = (c.gain, c.lo, c.hi)
     return out
+
+
+def with_quality(space: Any, scale: int | None, seeds: int | None) -> Any:
+    """``space`` with its budget's quality confirmation overridden (``--quality-scale``,
+    ``--quality-seeds``; None keeps the space's)."""
+    changes = {k: v for k, v in (("quality_scale", scale), ("quality_seeds", seeds)) if v is not None}
+    if not changes:
+        return space
+    return dataclasses.replace(space, budget=dataclasses.replace(space.budget, **changes))
 
 
 def confirm_quality_front(db: Storage, study: optuna.Study, space_like: Any, executor: Any,
@@ -152,7 +161,8 @@ def pick_point(front: list[FrontPoint], pick: str, gains: dict[int, float] | Non
 
 def export_plan(storage: str | None, study_name: str, out: str | Path, *, max_ne_gap: float | None = None,
                 pick: str = "max-gain", windows: int = 5, force: bool = False,
-                executor_factory: Any = None) -> Exported:
+                executor_factory: Any = None, quality_scale: int | None = None,
+                quality_seeds: int | None = None) -> Exported:
     """Confirm the front (where not yet confirmed) and write the chosen plan to ``out``."""
     if pick not in PICKS:
         raise EraseTuneError(f"--pick: {pick!r} is not one of {', '.join(PICKS)}")
@@ -180,12 +190,14 @@ def export_plan(storage: str | None, study_name: str, out: str | Path, *, max_ne
         showing = [p for p in front if p.number in confirmed and confirmed[p.number].gain_lo > 0]
         quality = _latest_quality(db.store.quality_confirmations(job)) if job else {}
         space = _stored_space(job)
+        space = None if space is None else with_quality(space, quality_scale, quality_seeds)
         missing = [p for p in showing if p.number not in quality]
         if space is not None and space.budget.quality_scale and missing:
             if executor_factory is None:
                 raise EraseTuneError("the front's quality is not confirmed yet and no executor was given to confirm it")
             with executor_factory(job) as (executor, space_like):
-                confirm_quality_front(db, study, space_like, executor, missing)
+                confirm_quality_front(db, study, with_quality(space_like, quality_scale, quality_seeds), executor,
+                                      missing)
             quality = _latest_quality(db.store.quality_confirmations(job))
         band = noise_band(study)
         too_costly = [p for p in showing if quality_refused(quality.get(p.number), budget, band)]

@@ -31,7 +31,7 @@ from erase_tune.store.engine import parse_url
 from erase_tune.store.storage import open_storage
 from erase_tune.tune.checks import CheckedSpace, check_space
 from erase_tune.tune.executor import RayExecutor, runtime_env
-from erase_tune.tune.export import confirm_front, confirm_quality_front
+from erase_tune.tune.export import confirm_front, confirm_quality_front, with_quality
 from erase_tune.tune.journal import Journal
 from erase_tune.tune.loop import HEARTBEAT_S, Loop, Progress
 from erase_tune.tune.record import Recorder
@@ -88,9 +88,12 @@ def start_job(
     grace_period_s: int = 60,
     confirm_windows: int = 5,
     on_progress: Callable[[Progress], None] = lambda p: None,
+    quality_scale: int | None = None,
+    quality_seeds: int | None = None,
 ) -> JobSummary:
-    """Run (or resume) a tuning job; see the module docstring."""
-    space = SearchSpace.load(space_path)
+    """Run (or resume) a tuning job; see the module docstring. ``quality_scale``/``quality_seeds``
+    override the space's budget fields for the quality confirmation at the end."""
+    space = with_quality(SearchSpace.load(space_path), quality_scale, quality_seeds)
     module = space.workload.partition(":")[0] if ":" in space.workload else f"erase_tune.workloads.{space.workload}"
     name = study_name if study_name is not None else Path(space_path).stem
     if not name.strip():
