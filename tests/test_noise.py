@@ -106,3 +106,10 @@ def test_the_trial_command_measures_the_noise_floor_when_asked(tmp_path, capsys)
     assert main([*argv, "--noise-floor", "-1"]) == 2  # refused before anything trains
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--noise-floor: -1 must be in 0..100" in err[0]
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_whole_step_graph_is_one_of_the_perturbations(workload):
+    floor = measure_noise_floor(workload, BUDGET, repeats=1, device="cuda")
+    assert floor.kinds == ("order", "graph") and all(math.isfinite(g) for g in floor.gaps)
+    assert floor.band == max(abs(g) for g in floor.gaps)
