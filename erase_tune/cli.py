@@ -214,7 +214,9 @@ def cmd_export(ns: argparse.Namespace) -> int:
         print(f"confirmed NE gap {q['confirmed_ne_gap']:+.2%} [95% interval {q['confirmed_ne_gap_lo']:+.2%}, "
               f"{q['confirmed_ne_gap_hi']:+.2%}] over {q['confirmed_ne_seeds']} seeds of {q['confirmed_ne_steps']} "
               f"steps; noise floor ±{q['ne_noise_band']:.2%}" + ("  (no cuts: exact by construction)" if q.get("exact")
-                                                                else ""))
+                                                                else "" if q.get("quality_confirmed") else
+                                                                "  (ABOVE the NE budget beyond the noise: written "
+                                                                "because of --force)"))
     print(f"plan: {done.plan.describe()}")
     return 0
 

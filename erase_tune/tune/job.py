@@ -133,7 +133,8 @@ def start_job(
             floor, measured_here = _noise_floor(db, space, name, executor)
             band = float(floor["band"]) if floor else 0.0
             loop = _set_up(db, space, name, str(space_path), target, checked, executor, on_progress, band)
-            if measured_here:
+            if floor and (measured_here or db.store.noise_floor(loop.recorder.job) is None):
+                # Also on a resume after a driver stopped between storing the attr and the row.
                 db.store.record_noise_floor(loop.recorder.job, floor)
             if floor:
                 log.info("noise floor of the NE gap: ±%.3f%% (a gap above the budget by less is not infeasible)",
