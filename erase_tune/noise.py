@@ -37,7 +37,16 @@ from erase_tune.errors import EraseTuneError
 from erase_tune.measure import provenance
 from erase_tune.runtime import ErasePlan
 from erase_tune.runtime.device import resolve_device
-from erase_tune.trial import MAX_REPEATS, Budget, TrialFailed, build_engine, check_workload_loss, jsonable_args, ranks_of, release
+from erase_tune.trial import (
+    MAX_REPEATS,
+    Budget,
+    TrialFailed,
+    build_engine,
+    check_workload_loss,
+    jsonable_args,
+    ranks_of,
+    release,
+)
 from erase_tune.workloads import Workload, WorkloadData
 
 __all__ = ["NoiseFloor", "QualityConfirmation", "QualityResult", "measure_noise_floor", "confirm_quality",

@@ -36,8 +36,8 @@ from erase_tune.runtime.device import resolve_device
 from erase_tune.runtime.losscheck import check_loss
 from erase_tune.workloads import Workload, WorkloadData
 
-__all__ = ["Budget", "VariantResult", "TrialResult", "TrialFailed", "run_trial", "build_engine", "Variant", "jsonable_args", "release",
-           "check_workload_loss"]
+__all__ = ["Budget", "VariantResult", "TrialResult", "TrialFailed", "run_trial", "build_engine", "Variant", "jsonable_args", "release"]
+__all__ += ["check_workload_loss", "MAX_REPEATS"]
 
 GRAPH_WARMUP = 3
 """Eager steps an engine runs before capturing a CUDA graph (capture happens on the next)."""

@@ -2,7 +2,8 @@
 
 Each fact is stored once. The Optuna trial gets the objective values, the NE constraint
 (system attribute ``constraints``: the budget plus the study's noise floor; a plan exact by
-construction, with no cuts, has NE-gap objective 0 and its measured gap kept as ``ne_gap``) and the flat metric attributes that the dashboard,
+construction, with no cuts, has NE-gap objective 0 and its measured gap kept as ``ne_gap``)
+and the flat metric attributes that the dashboard,
 ``status``, ``export`` and the report read; ``et_trial_outcomes`` gets what a worker sent
 beyond those numbers (per-step samples with their windows, provenance, the failure's
 traceback). A baseline NE measured by a trial goes to the baseline cache, which later
