@@ -9,6 +9,16 @@ batches, and are timed in alternating windows in one process; every speed-up is 
 per-window ratio against the eager and the graph baseline, reported as median [lo, hi].
 With ``trace_dir`` the ERASE variants are then profiled for a few steps and the cross-stream
 overlap (overlapped time / side-stream busy time) is read off the trace.
+
+The host-cost rows show what the runtime's own host work costs on the user's model: the plain
+loop, the engine with an empty plan (the eager baseline), one placement and one blocking cut of
+the cheapest candidate (fewest parameters), each as ms/step and the difference to the plain
+loop in µs/step (per-window medians, so slow drift cancels). On a host-bound model this tax,
+not the overlap, decides whether ERASE can win.
+
+On CUDA the whole-step graph is tried once first (:func:`erase_tune.trial.reference_capture_error`);
+a model whose step cannot be captured whole loses its graph rows, and the reason is kept in
+``BenchResult.graph_error``.
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import statistics
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -33,15 +44,19 @@ from erase_tune.measure import (
 )
 from erase_tune.runtime import Cut, ErasePlan, Placement
 from erase_tune.runtime.device import resolve_device
-from erase_tune.trial import Budget, Variant, build_engine, jsonable_args, release
+from erase_tune.trial import Budget, Variant, build_engine, jsonable_args, reference_capture_error, release
 from erase_tune.workloads import Workload, WorkloadData
 
-__all__ = ["BenchRow", "BenchResult", "bench_plans", "run_bench", "disjoint_cuts"]
+__all__ = ["BenchRow", "BenchResult", "bench_plans", "run_bench", "disjoint_cuts", "cheapest", "HOST_ROWS"]
 
 PLAIN = "plain loop"
 EAGER = "eager baseline"
 GRAPH = "graph baseline"
 TRACED = ("ERASE threaded", "graph + placement only", "graph + ERASE")
+ONE_PLACEMENT = "one placement"
+ONE_CUT = "one cut (blocking)"
+HOST_ROWS = (PLAIN, EAGER, ONE_PLACEMENT, ONE_CUT)
+"""The rows of the host-cost section, in order."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -56,6 +71,10 @@ class BenchRow:
     """The same over the whole-step-graph baseline, where that ran."""
     overlap: float | None = None
     """Overlapped time / side-stream busy time from a profiler trace, where traced."""
+    ms_per_step: float = 0.0
+    """Median step time, milliseconds."""
+    vs_plain_us: float | None = None
+    """Median over windows of (this row's median step time - the plain loop's), µs per step."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -65,6 +84,8 @@ class BenchResult:
     rows: tuple[BenchRow, ...]
     samples: Mapping[str, Mapping[str, list]]
     provenance: Mapping[str, Any]
+    graph_error: str | None = None
+    """Why the whole-step-graph rows were left out (the step cannot be captured whole), or None."""
 
     def row(self, name: str) -> BenchRow:
         return next(r for r in self.rows if r.name == name)
@@ -76,6 +97,7 @@ class BenchResult:
             "rows": [dataclasses.asdict(r) for r in self.rows],
             "samples": {k: dict(v) for k, v in self.samples.items()},
             "provenance": dict(self.provenance),
+            "graph_error": self.graph_error,
         }
 
     def table(self) -> str:
@@ -85,6 +107,18 @@ class BenchResult:
             vg = _ratio(r.vs_graph) if r.vs_graph else "-"
             ov = f"{r.overlap:.0%}" if r.overlap is not None else "-"
             lines.append(f"{r.name:<22} {r.p90_qps:>12,.0f} {r.median_qps:>12,.0f} {_ratio(r.vs_eager):>22} {vg:>22} {ov:>8}")
+        return "\n".join(lines)
+
+    def host_table(self) -> str:
+        """The host-cost section: ms/step of the host-cost rows and their tax over the plain loop."""
+        rows = [r for name in HOST_ROWS for r in self.rows if r.name == name]
+        if not rows:
+            return ""
+        head = f"{'host cost':<22} {'ms/step':>10} {'vs plain loop':>16}  plan"
+        lines = [head, "-" * len(head)]
+        for r in rows:
+            tax = "-" if r.vs_plain_us is None or r.name == PLAIN else f"{r.vs_plain_us:+,.0f} µs/step"
+            lines.append(f"{r.name:<22} {r.ms_per_step:>10.3f} {tax:>16}  {r.plan}")
         return "\n".join(lines)
 
 
@@ -105,8 +139,22 @@ def disjoint_cuts(candidates: Sequence[str]) -> list[str]:
     return chosen
 
 
-def bench_plans(cuts: Sequence[str], streams: int, device: torch.device) -> dict[str, ErasePlan | None]:
-    """The variants ``erase-tune bench`` compares (``None`` is the plain hand-written loop)."""
+def cheapest(candidates: Sequence[str], model: torch.nn.Module) -> str:
+    """The candidate with the fewest parameters (its own work is the smallest, so a row that
+    places or cuts it shows mostly the runtime's host cost); the first one on a tie."""
+    modules = dict(model.named_modules())
+
+    def size(name: str) -> int:
+        members = Cut(module=name).members
+        return sum(p.numel() for m in members if m in modules for p in modules[m].parameters())
+
+    return min(candidates, key=size)
+
+
+def bench_plans(cuts: Sequence[str], streams: int, device: torch.device,
+                host: str | None = None) -> dict[str, ErasePlan | None]:
+    """The variants ``erase-tune bench`` compares (``None`` is the plain hand-written loop);
+    ``host``: the candidate the host-cost rows place and cut (none without it)."""
     if not cuts:
         raise EraseTuneError("bench: no cuts to compare (the workload lists no cut candidates)")
     if streams < 1:
@@ -120,6 +168,9 @@ def bench_plans(cuts: Sequence[str], streams: int, device: torch.device) -> dict
                        num_streams=streams, whole_step_graph=True)
 
     plans: dict[str, ErasePlan | None] = {PLAIN: None, EAGER: ErasePlan()}
+    if host is not None:
+        plans[ONE_PLACEMENT] = ErasePlan(placements=(Placement(module=host, stream=1),), num_streams=1)
+        plans[ONE_CUT] = ErasePlan(cuts=(Cut(module=host, stream=1),), num_streams=1, dispatch="blocking")
     cuda = device.type == "cuda"
     if cuda:
         plans[GRAPH] = ErasePlan(whole_step_graph=True)
@@ -177,16 +228,21 @@ def run_bench(
     if trace_dir is not None:  # before anything runs: a --trace that cannot be written fails at once
         trace_dir = _trace_dir(trace_dir)
     device = resolve_device(device)
+    chosen = list(cuts) if cuts else disjoint_cuts(workload.cut_candidates)
+    bench_plans(chosen, streams, device)  # bad cuts or streams: refused before anything runs
+    # Before anything else runs in this process (a failed capture can upset the CUDA RNG).
+    graph_error = reference_capture_error(workload, device, seed=budget.seed)
     torch.manual_seed(budget.seed)
     data = workload.make_data(device)
     init = workload.build_model()
-    chosen = list(cuts) if cuts else disjoint_cuts(workload.cut_candidates)
-    plans = bench_plans(chosen, streams, device)
+    plans = bench_plans(chosen, streams, device, host=cheapest(chosen, init))
     if only:
         unknown = [n for n in only if n not in plans]
         if unknown:
             raise EraseTuneError(f"bench: unknown variant {shown(unknown[0])} (variants: {', '.join(plans)})")
         plans = {n: p for n, p in plans.items() if n in only or n in (EAGER, GRAPH)}
+    if graph_error is not None:
+        plans = {n: p for n, p in plans.items() if p is None or not p.whole_step_graph}
     for p in plans.values():
         if p is not None:
             p.check_model(init)
@@ -210,6 +266,7 @@ def run_bench(
 
     batch = workload.batch_size
     rows = []
+    plain = timings.variants.get(PLAIN)
     for name, t in timings.variants.items():
         s = qps_summary(t.steps_s, batch)
         ve = ratio_spread(t, timings.variants[EAGER], batch)
@@ -222,6 +279,8 @@ def run_bench(
             vs_eager=(ve.median, ve.lo, ve.hi),
             vs_graph=(vg.median, vg.lo, vg.hi) if vg else None,
             overlap=overlap.get(name),
+            ms_per_step=statistics.median(t.steps_s) * 1e3,
+            vs_plain_us=_window_difference(t, plain) * 1e6 if plain is not None else None,
         ))
     return BenchResult(
         workload=workload.name,
@@ -231,4 +290,16 @@ def run_bench(
         provenance=provenance(device, workload=workload.name,
                               workload_args=jsonable_args(workload.args),
                               budget=dataclasses.asdict(budget), cuts=chosen, streams=streams),
+        graph_error=graph_error,
     )
+
+
+def _window_difference(t: Any, plain: Any) -> float:
+    """Median over windows of (median step time of ``t`` - that of ``plain``), seconds."""
+    diffs = []
+    for w in sorted(set(t.window)):
+        mine = [s for s, k in zip(t.steps_s, t.window) if k == w]
+        base = [s for s, k in zip(plain.steps_s, plain.window) if k == w]
+        if mine and base:
+            diffs.append(statistics.median(mine) - statistics.median(base))
+    return statistics.median(diffs)

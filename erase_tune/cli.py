@@ -140,7 +140,11 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     prov = result.provenance
     print(f"workload {result.workload} (batch {result.batch_size}) on {prov['device_name']}, "
           f"torch {prov['torch']}, cuda {prov['cuda']}; cuts {', '.join(prov['cuts'])}; {prov['streams']} streams")
+    if result.graph_error is not None:
+        print(f"graph rows left out: the whole step cannot be captured as one CUDA graph: {result.graph_error}")
     print(result.table())
+    if result.host_table():
+        print(f"\n{result.host_table()}")
     floor = _noise_floor(ns, workload)
     if floor is not None:
         print(_noise_line(floor, None))

@@ -14,6 +14,12 @@ With ``process_group`` (a trial of k ranks): every rank runs the same protocol, 
 workload's batch is per rank), and QPS counts all ranks' examples (k·batch per step, timed on
 this rank; the step's collectives keep the ranks in step). Every rank returns the same NE;
 the service keeps rank 0's result.
+
+Not every step can be captured whole (a forward that builds an index tensor on the host, as the
+reference DLRM's interaction does, or reads a value back). :func:`reference_capture_error`
+tries the whole-step graph once, before anything else runs in the process, and says why it
+cannot be captured; a trial then leaves the reference out and records that reason
+(``TrialResult.reference_error``) instead of failing.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from typing import Any
 
 import torch
 
-from erase_tune.errors import EraseTuneError
+from erase_tune.errors import CaptureError, EraseTuneError, one_line
 from erase_tune.measure import provenance, qps_summary, ratio_spread, time_interleaved
 from erase_tune.measure.stats import gain
 from erase_tune.runtime import EraseEngine, ErasePlan
@@ -36,7 +42,8 @@ from erase_tune.runtime.device import resolve_device
 from erase_tune.runtime.losscheck import check_loss
 from erase_tune.workloads import Workload, WorkloadData
 
-__all__ = ["Budget", "VariantResult", "TrialResult", "TrialFailed", "run_trial", "build_engine", "Variant", "jsonable_args", "release"]
+__all__ = ["Budget", "VariantResult", "TrialResult", "TrialFailed", "run_trial", "build_engine", "Variant", "jsonable_args",
+           "release", "reference_capture_error", "UNKNOWN", "BASELINE"]
 __all__ += ["check_workload_loss", "MAX_REPEATS"]
 
 GRAPH_WARMUP = 3
@@ -47,6 +54,19 @@ MAX_SEED = 2**32 - 1
 MAX_REPEATS = 100
 """Largest noise_repeats, quality_scale and quality_seeds."""
 _REPEATS = ("noise_repeats", "quality_scale", "quality_seeds")
+BASELINE = "baseline"
+"""The variant every trial of a workload shares: a failure that names it fails every trial."""
+
+
+class _Unknown:
+    """Type of :data:`UNKNOWN`."""
+
+    def __repr__(self) -> str:
+        return "UNKNOWN"
+
+
+UNKNOWN = _Unknown()
+"""``run_trial(reference_error=UNKNOWN)``: not tried yet; the trial tries the capture itself."""
 
 
 class TrialFailed(EraseTuneError, RuntimeError):
@@ -139,6 +159,9 @@ class TrialResult:
     """Detach-only twin over baseline (p90): the part of the gain that is work removed."""
     duration_s: float
     provenance: Mapping[str, Any]
+    reference_error: str | None = None
+    """Why the whole-step-graph reference was left out (its capture failed), in one line; None
+    when it ran or was not asked for."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form, raw samples included."""
@@ -218,6 +241,7 @@ def run_trial(
     *,
     baseline_ne: float | None = None,
     process_group: Any = None,
+    reference_error: str | None | _Unknown = UNKNOWN,
 ) -> TrialResult:
     """Measure ``plan`` on ``workload`` against the baseline; see the module docstring.
 
@@ -225,10 +249,18 @@ def run_trial(
     budget, seed and device (the service caches it); the baseline is then still timed but
     not trained on for quality, which saves those steps. ``process_group``: run as one rank of
     a data-parallel trial (see the module docstring); every rank of the group must call this
-    with the same arguments.
+    with the same arguments. ``reference_error``: what :func:`reference_capture_error` said for
+    this workload and device (the service tries it once per job): None, the reference runs; a
+    reason, it is left out and the reason recorded. Left :data:`UNKNOWN`, the trial tries the
+    capture itself first (only when ``budget.reference`` and on CUDA).
     """
     started = time.perf_counter()
     device = resolve_device(device)
+    with_reference = budget.reference and device.type == "cuda"
+    if isinstance(reference_error, _Unknown):
+        ref_error = reference_capture_error(workload, device, seed=budget.seed) if with_reference else None
+    else:
+        ref_error = reference_error
     torch.manual_seed(budget.seed)
     data = workload.make_data(device)
     init = workload.build_model()
@@ -238,7 +270,7 @@ def run_trial(
     plans: dict[str, ErasePlan] = {"baseline": ErasePlan(), "candidate": plan}
     if budget.detach_only and plan.cuts:
         plans["detach_only"] = plan.detach_only()
-    if budget.reference and device.type == "cuda":
+    if with_reference and ref_error is None:
         plans["reference"] = ErasePlan(whole_step_graph=True)
     variants: dict[str, Variant] = {}
     try:
@@ -298,6 +330,7 @@ def run_trial(
             # > 1 means batches were re-read; a CTR proxy over-fits on a second pass, so NE is then suspect.
             data_passes=round(budget.training_steps * world / len(data.train), 3),
         ),
+        reference_error=ref_error,
     )
 
 
@@ -309,6 +342,68 @@ def check_workload_loss(workload: Workload, model: torch.nn.Module, data: Worklo
         check_loss(model, tuple(inputs), target, workload.loss_fn)
     except EraseTuneError as e:
         raise EraseTuneError(f"workload {workload.name}: {e}") from None
+
+
+def reference_capture_error(workload: Workload, device: str | torch.device | None = None, *,
+                            seed: int = 0) -> str | None:
+    """Try the whole-step CUDA-graph reference once: None when it captures and replays, else why
+    not (the :class:`~erase_tune.errors.CaptureError`'s line). None on the CPU (no graph there).
+
+    A copy of the workload's model is trained under ``ErasePlan(whole_step_graph=True)`` for
+    the engine's warm-up, the capture and one replay, on the workload's own batches. Run it
+    before anything else in the process: a failed capture can leave the process's CUDA RNG in
+    capture state (see :class:`~erase_tune.errors.CaptureError`), so it is repaired here and
+    checked with one draw; if it cannot be, :class:`TrialFailed` says so (run the trial again
+    in a fresh process with the reference off). Other errors (the workload's own) propagate.
+    """
+    device = resolve_device(device)
+    if device.type != "cuda":
+        return None
+    torch.manual_seed(seed)
+    data = workload.make_data(device)
+    init = workload.build_model()
+    engine: EraseEngine | None = None
+    error: str | None = None
+    try:
+        engine = build_engine(workload, ErasePlan(whole_step_graph=True), init, data, device)
+        for step in range(GRAPH_WARMUP + 2):  # eager warm-up, capture, one replay
+            inputs, target = data.batch(step)
+            loss = engine.step(inputs, target)
+        torch.cuda.synchronize(device)
+        del loss
+    except CaptureError as e:
+        error = one_line(" ".join(str(e).split()), 400)
+    finally:
+        if engine is not None:
+            engine.close()
+        del engine, init, data
+        release((), device)
+    if error is not None:
+        _restore_cuda_rng(device, error)
+    return error
+
+
+def _restore_cuda_rng(device: torch.device, error: str) -> None:
+    """After a failed capture: give the device's default generator a fresh state (same seed)
+    if the failed capture left it in capture state, and check it with one draw. Seen on an H200
+    (torch 2.11): a capture invalidated by a CPU sync leaves the generator capturing (the next
+    draw fails with "Offset increment outside graph capture"), and a fresh state set this way
+    draws again; a capture refused by torch itself (a host-to-device copy) leaves it untouched."""
+    try:
+        torch.randn(1, device=device)
+        return
+    except RuntimeError:
+        pass
+    gen = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    try:
+        seed = gen.initial_seed()
+        gen.graphsafe_set_state(torch.Generator(device=device))
+        gen.manual_seed(seed)
+        torch.randn(1, device=device)
+    except RuntimeError as e:
+        raise TrialFailed(f"the whole-step CUDA graph cannot be captured ({error}), and the failed capture left this "
+                          f"process's CUDA RNG unusable ({one_line(str(e).splitlines()[0] if str(e) else '', 200)}): "
+                          "run again with the reference off") from None
 
 
 def release(runners: Iterable[object], device: torch.device) -> None:

@@ -7,10 +7,13 @@ main thread (``blocking``) or a worker thread (``threaded``) — so it overlaps 
 work that follows on the main stream; or, for ``deferred``, it joins the main loss in one
 backward at the end (the "detach only" twin). A placement runs its piece's forward on a side
 stream as it is (no detach, no head), so its forward overlaps other work and autograd runs
-its backward on the same stream. Outputs of side-stream work are joined lazily, where they
-are first used (:mod:`erase_tune.runtime.join`), so sibling pieces run side by side. After
-the main backward every side stream is joined back to the current stream before the
-optimizer runs.
+its backward on the same stream. A graphed piece is captured (forward and backward) as CUDA
+graphs after a few eager calls and replayed from then on, not detached. Outputs of
+side-stream work are joined lazily, where they are first used
+(:mod:`erase_tune.runtime.join`), so sibling pieces run side by side. After the main backward
+every side stream is joined back to the current stream before the optimizer runs. The
+runners that do each element's work live in :mod:`erase_tune.runtime.pieces`; the engine's
+own host work per step is a fixed amount, whatever the number of torch calls in the model.
 
 Exactness: gradients inside each cut and inside the remainder equal those of the reference
 objective ``L_main + Σ λ_i ℓ_i`` with stop-gradients at the cut boundaries; placements change
@@ -24,15 +27,16 @@ plan with no cuts and no placements skips it: it trains exactly like a plain loo
 CUDA graphs: a cut flagged ``graph`` has its forward + local loss + backward captured as its
 own graph (own memory pool) after a few eager warm-up calls; a plan with
 ``whole_step_graph`` captures the whole step (forward, early backwards on their streams, main
-backward, optimizer with ``capturable=True``) and replays it. Graph-owned gradients are
-overwritten on every replay, so the engine never sets them to ``None``.
+backward, optimizer with ``capturable=True``) and replays it
+(:mod:`erase_tune.runtime.capture`). Graph-owned gradients are overwritten on every replay,
+so the engine never sets them to ``None``.
 
 Data parallel: with ``process_group=``, gradients are averaged across the group once per step
 (:mod:`erase_tune.runtime.reduce`): per cut right after its local backward, in plan order, or
 all at the end, as the plan's ``find_unused_parameters`` says; under a whole-step graph, after
 the replay, with the optimizer run eagerly. docs/design.md, "Data parallel".
 
-How a piece is applied: the first module of a cut or placement gets an instance-level
+How a piece is applied: the first module of a cut, placement or graphed piece gets an instance-level
 ``forward`` that runs the whole piece (for a run ``blocks.2:5``: blocks 2, 3, 4 chained);
 later blocks of a run become identities while the engine is attached. ``close()`` restores
 the model.
@@ -40,7 +44,6 @@ the model.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import zlib
@@ -51,12 +54,13 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_map
 
-from erase_tune.errors import CaptureError, EraseTuneError, PlanError, one_line, shown
+from erase_tune.errors import EraseTuneError, PlanError, one_line, shown
 from erase_tune.runtime import device as dev
+from erase_tune.runtime.capture import StepGraph
 from erase_tune.runtime.join import LazyJoin
-from erase_tune.runtime.plan import Cut, ErasePlan, Placement
+from erase_tune.runtime.pieces import CutRunner, GraphedRunner, Passthrough, PlacedRunner, StepState
+from erase_tune.runtime.plan import ErasePlan, Placement
 from erase_tune.runtime.probe import ProbeResult, probe
 from erase_tune.runtime.reduce import GradReducer, broadcast_from_rank0, refuse_sparse
 
@@ -105,167 +109,6 @@ def _default_head(name: str, cut_out: Tensor, model_out: Tensor, *, activation: 
     return LinearHead(cut_out.shape[-1], out_features, squeeze, activation)
 
 
-def _tensors(tree: Any) -> list[Tensor]:
-    return [x for x in tree_flatten(tree)[0] if isinstance(x, Tensor)]
-
-
-def _detach(tree: Any) -> Any:
-    return tree_map(lambda x: x.detach() if isinstance(x, Tensor) else x, tree)
-
-
-class _Piece:
-    """What cuts and placements share: the patched forward of a (run of) module(s)."""
-
-    def __init__(self, engine: EraseEngine, modules: Sequence[nn.Module]) -> None:
-        self.engine = engine
-        self.modules = list(modules)
-        # Bound forwards captured before patching: the piece calls these directly.
-        self.forwards = [m.forward for m in self.modules]
-
-    def chain(self, args: tuple, kwargs: dict) -> Any:
-        out = self.forwards[0](*args, **kwargs)
-        for fwd in self.forwards[1:]:
-            out = fwd(out)
-        return out
-
-    def __deepcopy__(self, memo: dict) -> Any:
-        return _unpatched_copy(self.modules[0], memo)
-
-    def _enter_stream(self, stream: Any, args: tuple, kwargs: dict) -> tuple[Any, list[Tensor]]:
-        """Order ``stream`` after the work its inputs come from; returns (current stream, inputs)."""
-        eng = self.engine
-        here = dev.current_stream(eng.device)
-        inputs = _tensors((args, kwargs))
-        dev.wait_stream(stream, here)
-        if eng._lazy is not None:
-            eng._lazy.consume(inputs, stream if stream is not None else here)
-        return here, inputs
-
-
-class _CutRunner(_Piece):
-    """Runs one cut inside a step: detach, stream, local loss, early backward, graphs."""
-
-    def __init__(self, engine: EraseEngine, index: int, cut: Cut, modules: Sequence[nn.Module], head: nn.Module):
-        super().__init__(engine, modules)
-        self.index = index
-        self.cut = cut
-        self.head = head
-        self.graphed = cut.graph and dev.graphs_supported(engine.device) and not engine.plan.whole_step_graph
-        self.params = [p for m in [*self.modules, head] for p in m.parameters() if p.requires_grad]
-        self.calls = 0
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.static: tuple[list[Tensor], Tensor, Any, Tensor] | None = None
-
-    def local_loss(self, out: Any, target: Tensor) -> Tensor:
-        if not isinstance(out, Tensor):
-            raise PlanError(
-                f"cut {shown(self.cut.name)}: the module returns {type(out).__name__}, but a cut must return one tensor"
-            )
-        return self.cut.aux_weight * self.engine.loss_fn(self.head(out), target)
-
-    # -- the patched forward -----------------------------------------------------------------
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        eng = self.engine
-        if not eng._in_step:  # evaluation or inference: the plain model
-            return self.chain(args, kwargs)
-        device = eng.device
-        stream = eng._side_stream(self.cut.stream)
-        target = eng._target
-        with eng._paused():
-            _, inputs = self._enter_stream(stream, args, kwargs)
-            args, kwargs = _detach(args), _detach(kwargs)
-            dev.record_stream(iter([*inputs, target]), stream, device)
-        with dev.use_stream(stream):
-            if self.graphed and self.calls >= eng.graph_warmup:
-                with eng._paused():  # static tensors only: nothing here is a use of side work
-                    out, aux = self._replay(args, kwargs, target)
-                done = dev.record_event(stream)
-                eng._cut_backward_done(self.index, stream, None)
-            else:
-                with torch.enable_grad():
-                    out = self.chain(args, kwargs)
-                    aux = self.local_loss(out, target)
-                done = dev.record_event(stream)  # before the backward is queued behind it
-                eng._launch_backward(aux, stream, self.index)
-            self.calls += 1
-        with eng._paused():
-            out = out.detach()
-            if eng._lazy is not None and stream is not None:
-                eng._lazy.add([out, aux], inputs, done, stream)  # joined where first used
-            eng._aux_values.append(aux.detach())
-        return out
-
-    # -- per-cut CUDA graph --------------------------------------------------------------------
-
-    def _replay(self, args: tuple, kwargs: dict, target: Tensor) -> tuple[Tensor, Tensor]:
-        if self.graph is None:
-            self._capture(args, kwargs, target)
-        static_in, static_target, static_out, static_aux = self.static  # type: ignore[misc]
-        live = _tensors((args, kwargs))
-        for s, x in zip(static_in, live):
-            if s.shape != x.shape:
-                raise CaptureError(
-                    f"cut {shown(self.cut.name)}: captured with input shape {tuple(s.shape)}, got {tuple(x.shape)}; "
-                    "per-cut CUDA graphs need static shapes"
-                )
-            s.copy_(x)
-        static_target.copy_(target)
-        self.graph.replay()  # type: ignore[union-attr]
-        return static_out, static_aux
-
-    def _capture(self, args: tuple, kwargs: dict, target: Tensor) -> None:
-        eng = self.engine
-        eng._drain_workers()  # no other thread may touch the device while we capture
-        static_args, static_kwargs = tree_map(lambda x: x.clone() if isinstance(x, Tensor) else x, (args, kwargs))
-        static_in = _tensors((static_args, static_kwargs))
-        static_target = target.clone()
-        for p in self.params:
-            p.grad = None  # allocate the grads from the graph's pool: replays overwrite them
-        graph = torch.cuda.CUDAGraph()
-        cap = eng._capture_stream
-        dev.wait_stream(cap, dev.current_stream(eng.device))
-        try:
-            with torch.cuda.graph(graph, stream=cap), torch.enable_grad():
-                out = self.chain(static_args, static_kwargs)
-                aux = self.local_loss(out, static_target)
-                aux.backward()
-        except (RuntimeError, torch.cuda.CudaError) as e:  # type: ignore[attr-defined]
-            raise CaptureError(
-                f"cut {shown(self.cut.name)}: CUDA graph capture failed: {one_line(str(e).splitlines()[0])}"
-            ) from e
-        dev.wait_stream(dev.current_stream(eng.device), cap)
-        self.graph = graph
-        self.static = (static_in, static_target, out.detach(), aux.detach())
-        eng._graph_owned.update(id(p) for p in self.params)
-
-
-class _PlacedRunner(_Piece):
-    """Runs one placement inside a step: the piece's own forward, on its side stream."""
-
-    def __init__(self, engine: EraseEngine, placement: Placement, modules: Sequence[nn.Module]) -> None:
-        super().__init__(engine, modules)
-        self.placement = placement
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        eng = self.engine
-        stream = eng._side_stream(self.placement.stream)
-        if not eng._in_step or stream is None or eng._lazy is None:  # on the CPU: the plain forward
-            return self.chain(args, kwargs)
-        with eng._paused():
-            _, inputs = self._enter_stream(stream, args, kwargs)
-            dev.record_stream(iter(inputs), stream, eng.device)
-            versions = [t._version for t in inputs]
-        with dev.use_stream(stream):
-            out = self.chain(args, kwargs)
-        done = dev.record_event(stream)
-        with eng._paused():
-            # An input the piece wrote in place is, for later readers, an output of the piece.
-            written = [t for t, v in zip(inputs, versions) if t._version != v]
-            eng._lazy.add([*_tensors(out), *written], inputs, done, stream)
-        return out
-
-
 class EraseEngine:
     """Train ``model`` under ``plan``: ``engine.step(inputs, target) -> loss``.
 
@@ -301,6 +144,30 @@ class EraseEngine:
             ``DistributedDataParallel`` wrapper (refused). Sparse gradients are refused.
     """
 
+    # -- what it trains, and how (set at construction, read-only after) -----------------------------
+    model: nn.Module
+    plan: ErasePlan
+    loss_fn: Callable[[Tensor, Tensor], Tensor]
+    optimizer: torch.optim.Optimizer
+    heads: Mapping[str, nn.Module]
+    """Aux head of each cut, by cut name."""
+    graph_warmup: int
+    process_group: Any
+
+    # -- where it runs ----------------------------------------------------------------------------
+    device: torch.device
+    cuda: bool
+    capture_stream: Any
+    """The stream CUDA graphs are captured on (None on the CPU)."""
+    graph_owned: set[int]
+    """ids of parameters whose gradients live in a CUDA graph's pool (never set to None)."""
+
+    # -- the step in progress ---------------------------------------------------------------------
+    state: StepState | None
+    """The forward in progress (None between steps): what the runners accumulate."""
+    capture_retries: int
+    """Whole-step captures that failed once and succeeded on the retry."""
+
     def __init__(
         self,
         model: nn.Module,
@@ -320,63 +187,48 @@ class EraseEngine:
                 "early backward passes of detached pieces)"
             )
         plan.check_model(model)
-        self.model = model
-        self.plan = plan
-        self.loss_fn = loss_fn
-        self.graph_warmup = graph_warmup
+        self.model, self.plan, self.loss_fn, self.graph_warmup = model, plan, loss_fn, graph_warmup
         params = list(model.parameters())
         self.device = params[0].device if params else torch.device("cpu")
-        self._cuda = dev.is_cuda(self.device)
-        self._in_step = False
-        self._target: Tensor | None = None
-        self._aux_values: list[Tensor] = []
-        self._deferred: list[Tensor] = []
-        self._pending: list[Future] = []
-        self._graph_owned: set[int] = set()
-        self._dispatch = plan.dispatch
-        self._pool: ThreadPoolExecutor | None = None
-        self._step_graph: torch.cuda.CUDAGraph | None = None
-        self._step_static: tuple[list[Tensor], Tensor, Tensor] | None = None
-        self._steps = 0
+        self.cuda = dev.is_cuda(self.device)
+        self.graph_owned = set()
+        self.state = None
         self.capture_retries = 0
-        """Whole-step captures that failed once and succeeded on the retry."""
-
-        self.process_group = process_group
-        self._reducer: GradReducer | None = None
-        self._active: GradReducer | None = None  # the reducer of the step in progress
-        self._capturing = False
+        self._steps = 0
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: list[Future] = []  # threaded dispatch: backward passes in flight
 
         self._probe: ProbeResult | None = None
         heads: dict[str, nn.Module] = {}
-        if plan.cuts or plan.placements:
+        if plan.targets:
             result, target = self._check_plan(example)
             heads = self._build_heads(result, target, make_head)
             # Kept for the first step's check; the example's tensors are not needed any more.
             self._probe = dataclasses.replace(result, model_output=None, outputs={})
         self._head_modules = nn.ModuleList(heads.values())
-        self.heads: Mapping[str, nn.Module] = MappingProxyType(heads)
+        self.heads = MappingProxyType(heads)
+        self._params = list(dict.fromkeys([*model.parameters(), *self._head_modules.parameters()]))
+
+        self.process_group = process_group
+        self._reducer: GradReducer | None = None
+        self._active: GradReducer | None = None  # the reducer of the step in progress
         if process_group is not None:
             refuse_sparse(model)
             broadcast_from_rank0([*model.parameters(), *model.buffers(), *self._head_modules.parameters(),
                                   *self._head_modules.buffers()], process_group)
         self._streams = [dev.new_stream(self.device) for _ in range(plan.num_streams)]
-        self._capture_stream = dev.new_stream(self.device)
-        side_work = any(t.stream for t in (*plan.cuts, *plan.placements))
-        self._lazy = LazyJoin(self.device) if self._cuda and side_work else None
+        self.capture_stream = dev.new_stream(self.device)
+        side_work = any(t.stream for t in plan.targets)
+        self._join = LazyJoin(self.device) if self.cuda and side_work else None
         self.optimizer = (optimizer or functools.partial(torch.optim.Adam, lr=1e-3))(self.parameters())
-        if plan.whole_step_graph and self._cuda and process_group is None:  # else: eager optimizer
+        whole = plan.whole_step_graph and self.cuda
+        if whole and process_group is None:  # else: eager optimizer after the replay
             for group in self.optimizer.param_groups:
                 if "capturable" in group:
                     group["capturable"] = True
-        self._patched: list[nn.Module] = []
-        modules = dict(model.named_modules())
-        self._cut_runners: list[_CutRunner] = []
-        for i, cut in enumerate(plan.cuts):
-            runner = _CutRunner(self, i, cut, [modules[m] for m in cut.members], heads[cut.name])
-            self._cut_runners.append(runner)
-            self._patch(runner)
-        for placement in plan.placements:
-            self._patch(_PlacedRunner(self, placement, [modules[m] for m in placement.members]))
+        self._graph = StepGraph(self) if whole else None
+        self._patched: list[tuple[nn.Module, Any]] = []  # (module, the instance forward it had, if any)
+        self._cut_runners = self._patch_plan(heads, whole)
         if process_group is not None:
             self._reducer = self._make_reducer(process_group)
 
@@ -392,56 +244,32 @@ class EraseEngine:
         the detached total loss ``L_main + Σ λ_i ℓ_i`` as a device tensor (no CPU sync)."""
         inputs = _as_tuple(inputs)
         with torch.enable_grad():
-            if self.plan.whole_step_graph and self._cuda:
-                return self._graph_step(inputs, target)
-            self._zero_grad()
-            loss = self.forward_backward(inputs, target)
-            self._check_first_step()
-            self._optimizer_step()
-            self._steps += 1
-            return loss
+            if self._graph is not None:
+                return self._graph.step(inputs, target)
+            return self.eager_step(inputs, target)
+
+    def eager_step(self, inputs: tuple, target: Tensor, dispatch: str | None = None) -> Tensor:
+        """One step without a whole-step graph (also the graph's warm-up steps)."""
+        self.zero_grad()
+        loss = self._forward_backward(inputs, target, dispatch or self.plan.dispatch, self._reducer)
+        self._check_first_step()
+        self.optimizer_step()
+        self._steps += 1
+        return loss
 
     def forward_backward(self, inputs: Tensor | Sequence[Any], target: Tensor) -> Tensor:
         """Compute gradients for one batch (no optimizer step, no zeroing); eager path. Under a
         process group the gradients are averaged across it before this returns (every call:
         accumulating over calls sums the averages)."""
-        inputs = _as_tuple(inputs)
-        self._in_step, self._target = True, target
-        self._aux_values, self._deferred = [], []
-        reducer = None if self._capturing else self._reducer
-        if reducer is not None:
-            reducer.begin()
-            # A per-cut graph captured in this step must not run beside collectives in flight:
-            # that step reduces everything at the end (every rank captures at the same step).
-            capture_now = any(r.graphed and r.graph is None and r.calls >= self.graph_warmup for r in self._cut_runners)
-            self._active = None if capture_now else reducer
-        try:
-            with torch.enable_grad():
-                with self._joining():
-                    out = self.model(*inputs)
-                    main = self.loss_fn(out, target)
-                    total = main + sum(self._deferred) if self._deferred else main
-                if self._active is not None:
-                    self._active.poll()
-                self._check_main_loss(main)
-                total.backward()
-            self._join()
-            if reducer is not None:
-                reducer.finish()
-        finally:
-            self._in_step, self._target = False, None
-            self._deferred = []
-            self._active = None
-        loss = main.detach()
-        for aux in self._aux_values:
-            loss = loss + aux
-        self._aux_values = []
-        return loss
+        return self._forward_backward(_as_tuple(inputs), target, self.plan.dispatch, self._reducer)
 
     def close(self) -> None:
         """Restore the model's own forwards and stop the worker thread."""
-        for m in self._patched:
-            m.__dict__.pop("forward", None)
+        for m, own in reversed(self._patched):
+            if own is None:
+                m.__dict__.pop("forward", None)
+            else:
+                m.forward = own
         self._patched = []
         if self._pool is not None:
             self._pool.shutdown(wait=True)
@@ -453,14 +281,133 @@ class EraseEngine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # -- what the runners use (pieces.Host) --------------------------------------------------------
+
+    def side_stream(self, index: int) -> Any:
+        return self._streams[index - 1] if index > 0 else None
+
+    def drain_workers(self) -> None:
+        """Wait for the worker thread's backward passes to be queued (re-raising their errors)."""
+        pending, self._pending = self._pending, []
+        for f in pending:
+            f.result()  # re-raises a worker's exception in the training thread
+
+    def launch_backward(self, aux: Tensor, stream: Any, index: int) -> None:
+        mode = self.state.dispatch if self.state is not None else self.plan.dispatch
+        if mode == "deferred":
+            self.state.deferred.append(aux)  # type: ignore[union-attr]  # its reduction waits for the main backward
+        elif mode == "threaded":
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="erase-bwd", initializer=self._init_worker)
+            future = self._pool.submit(_backward_on, aux, stream)
+            self._pending.append(future)
+            self.cut_backward_done(index, stream, future)
+        else:
+            _backward_on(aux, stream)
+            self.cut_backward_done(index, stream, None)
+
+    def cut_backward_done(self, index: int, stream: Any, future: Future | None) -> None:
+        """Cut ``index``'s local backward is queued (or, with ``future``, will be): under a process
+        group with early reduction, issue the reductions that are due, in plan order."""
+        if self._active is not None and not self.plan.find_unused_parameters:
+            self._active.launched(index, stream, future)
+
+    # -- what the step graph uses (capture.StepGraph) ----------------------------------------------
+
+    def zero_grad(self) -> None:
+        owned = self.graph_owned
+        for p in self._params:
+            if id(p) not in owned:
+                p.grad = None
+
+    def optimizer_step(self) -> None:
+        try:
+            self.optimizer.step()
+        except RuntimeError as e:
+            sparse = [n for n, p in self._named_parameters() if p.grad is not None and p.grad.is_sparse]
+            if not sparse or "sparse" not in str(e).lower():
+                raise
+            names = ", ".join(sparse[:_NAMES_SHOWN]) + (", …" if len(sparse) > _NAMES_SHOWN else "")
+            raise EraseTuneError(
+                f"optimizer {type(self.optimizer).__name__} cannot take the sparse gradients of {names}: give them "
+                "a sparse-capable optimizer (SparseAdam, SGD, Adagrad) in a separate param group or optimizer"
+            ) from None
+
+    def reduce_after_replay(self) -> None:
+        """Under a process group, after a whole-step replay: average every gradient, then step."""
+        if self._reducer is not None:
+            self._reducer.reduce_all()
+            self.optimizer_step()
+
+    def captured_step(self, inputs: tuple, target: Tensor) -> Tensor:
+        """The work a whole-step capture records: forward + backward (no collectives; a blocking
+        or deferred launch), then the optimizer unless a process group reduces first."""
+        dispatch = "deferred" if self.plan.dispatch == "deferred" else "blocking"
+        loss = self._forward_backward(inputs, target, dispatch, None)
+        if self._reducer is None:
+            self.optimizer.step()
+        return loss
+
+    def abandon_step(self) -> None:
+        """Forget a step that failed part way (a capture that did not complete)."""
+        self.state, self._pending = None, []
+
+    # -- the forward and backward ------------------------------------------------------------------
+
+    def _forward_backward(self, inputs: tuple, target: Tensor, dispatch: str, reducer: GradReducer | None) -> Tensor:
+        state = StepState(target=target, join=self._join, dispatch=dispatch)
+        self.state = state
+        if reducer is not None:
+            reducer.begin()
+            # A per-cut graph captured in this step must not run beside collectives in flight:
+            # that step reduces everything at the end (every rank captures at the same step).
+            capture_now = any(r.graphed and r.graph is None and r.calls >= self.graph_warmup for r in self._cut_runners)
+            self._active = None if capture_now else reducer
+        try:
+            with torch.enable_grad():
+                if state.join is not None:
+                    with state.join:
+                        out = self.model(*inputs)
+                        main = self.loss_fn(out, target)
+                        total = main + sum(state.deferred) if state.deferred else main
+                    state.join.clear()
+                else:
+                    out = self.model(*inputs)
+                    main = self.loss_fn(out, target)
+                    total = main + sum(state.deferred) if state.deferred else main
+                if self._active is not None:
+                    self._active.poll()
+                self._check_main_loss(main)
+                total.backward()
+            self._join_streams()
+            if reducer is not None:
+                reducer.finish()
+        finally:
+            self.state = None
+            self._active = None
+            if state.join is not None:
+                state.join.clear()
+        loss = main.detach()
+        for aux in state.aux_values:
+            loss = loss + aux
+        return loss
+
+    def _join_streams(self) -> None:
+        # Kernels must be queued before wait_stream records its event: drain the workers first.
+        self.drain_workers()
+        if self._streams:
+            main = dev.current_stream(self.device)
+            for s in self._streams:
+                dev.wait_stream(main, s)
+
     # -- checking the plan and building the heads -------------------------------------------------
 
     def _check_plan(self, example: tuple[Any, Tensor] | None) -> tuple[ProbeResult, Tensor]:
         if example is None:
-            raise PlanError("EraseEngine needs example=(inputs, target) to check a plan with cuts or placements "
-                            "against the model and size its aux heads")
+            raise PlanError("EraseEngine needs example=(inputs, target) to check a plan with cuts, placements or "
+                            "graphed pieces against the model and size its aux heads")
         inputs, target = example
-        targets = [t.module for t in (*self.plan.cuts, *self.plan.placements)]
+        targets = [t.module for t in self.plan.targets]
         result = probe(self.model, _as_tuple(inputs), targets)
         result.check_plan(self.plan)
         return result, target
@@ -476,7 +423,6 @@ class EraseEngine:
             self._check_head(cut.name, head, out, result.model_output, target)
             heads[cut.name] = head
         return heads
-
     def _check_head(self, name: str, head: nn.Module, out: Tensor, model_out: Any, target: Tensor) -> None:
         fix = "pass make_head with a head for this cut"
         with torch.no_grad():
@@ -501,31 +447,31 @@ class EraseEngine:
 
     # -- internals --------------------------------------------------------------------------------
 
-    def _patch(self, runner: _Piece) -> None:
+    def _patch_plan(self, heads: Mapping[str, nn.Module], whole: bool) -> list[CutRunner]:
+        """Patch each element's first module with its runner; under a whole-step graph a graphed
+        piece is already inside the step's graph: on a side stream it is a placement."""
+        modules = dict(self.model.named_modules())
+        cut_runners = []
+        for i, cut in enumerate(self.plan.cuts):
+            graphed = cut.graph and dev.graphs_supported(self.device) and not self.plan.whole_step_graph
+            runner = CutRunner(self, i, cut, [modules[m] for m in cut.members], heads[cut.name], graphed)
+            cut_runners.append(runner)
+            self._patch(runner)
+        for placement in self.plan.placements:
+            self._patch(PlacedRunner(self, placement, [modules[m] for m in placement.members]))
+        for g in self.plan.graphs:
+            members = [modules[m] for m in g.members]
+            if not whole:
+                self._patch(GraphedRunner(self, g, members))
+            elif g.stream:
+                self._patch(PlacedRunner(self, Placement(module=g.module, stream=g.stream), members))
+        return cut_runners
+
+    def _patch(self, runner: Any) -> None:
         first, *rest = runner.modules
-        first.forward = runner  # instance attribute shadows the class's forward
-        self._patched.append(first)
-        for m in rest:
-            m.forward = _Passthrough(m)
-            self._patched.append(m)
-
-    def _side_stream(self, index: int):
-        return self._streams[index - 1] if index > 0 else None
-
-    @contextlib.contextmanager
-    def _joining(self) -> Iterator[None]:
-        """The forward, with side-stream outputs joined where first used (CUDA, side work only)."""
-        if self._lazy is None:
-            yield
-            return
-        try:
-            with self._lazy:
-                yield
-        finally:
-            self._lazy.clear()
-
-    def _paused(self) -> contextlib.AbstractContextManager:
-        return self._lazy.paused() if self._lazy is not None else contextlib.nullcontext()
+        for m, fwd in ((first, runner), *((m, Passthrough(m)) for m in rest)):
+            self._patched.append((m, m.__dict__.get("forward")))
+            m.forward = fwd  # instance attribute shadows the class's forward
 
     def _check_main_loss(self, main: Tensor) -> None:
         if isinstance(main, Tensor) and main.requires_grad:
@@ -546,44 +492,10 @@ class EraseEngine:
         if missing:
             raise PlanError(self._probe.starved_message(self.plan, missing))
 
-    def _optimizer_step(self) -> None:
-        try:
-            self.optimizer.step()
-        except RuntimeError as e:
-            sparse = [n for n, p in self._named_parameters() if p.grad is not None and p.grad.is_sparse]
-            if not sparse or "sparse" not in str(e).lower():
-                raise
-            names = ", ".join(sparse[:_NAMES_SHOWN]) + (", …" if len(sparse) > _NAMES_SHOWN else "")
-            raise EraseTuneError(
-                f"optimizer {type(self.optimizer).__name__} cannot take the sparse gradients of {names}: give them "
-                "a sparse-capable optimizer (SparseAdam, SGD, Adagrad) in a separate param group or optimizer"
-            ) from None
-
     def _named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         yield from self.model.named_parameters()
         for name, head in self.heads.items():
             yield from ((f"head[{name}].{n}", p) for n, p in head.named_parameters())
-
-    def _launch_backward(self, aux: Tensor, stream, index: int) -> None:
-        mode = self._dispatch
-        if mode == "deferred":
-            self._deferred.append(aux)  # its reduction waits for the main backward
-        elif mode == "threaded":
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="erase-bwd", initializer=self._init_worker)
-            future = self._pool.submit(_backward_on, aux, stream)
-            self._pending.append(future)
-            self._cut_backward_done(index, stream, future)
-        else:
-            _backward_on(aux, stream)
-            self._cut_backward_done(index, stream, None)
-
-    def _cut_backward_done(self, index: int, stream, future: Future | None) -> None:
-        """Cut ``index``'s local backward is queued (or, with ``future``, will be): under a process
-        group with early reduction, issue the reductions that are due, in plan order."""
-        if self._active is not None and not self.plan.find_unused_parameters:
-            self._active.launched(index, stream, future)
-
     def _make_reducer(self, group: Any) -> GradReducer:
         """Per cut, the parameters registered only under its modules, and its head's; the rest."""
         names = {id(p): n for n, p in self._named_parameters()}
@@ -608,93 +520,9 @@ class EraseEngine:
                            names, self.device)
 
     def _init_worker(self) -> None:
-        if self._cuda:  # a worker thread does not inherit the current device
+        if self.cuda:  # a worker thread does not inherit the current device
             torch.cuda.set_device(self.device)
 
-    def _drain_workers(self) -> None:
-        pending, self._pending = self._pending, []
-        for f in pending:
-            f.result()  # re-raises a worker's exception in the training thread
-
-    def _join(self) -> None:
-        # Kernels must be queued before wait_stream records its event: drain the workers first.
-        self._drain_workers()
-        main = dev.current_stream(self.device)
-        for s in self._streams:
-            dev.wait_stream(main, s)
-
-    def _zero_grad(self) -> None:
-        for p in self.parameters():
-            if id(p) not in self._graph_owned:
-                p.grad = None
-
-    def _graph_step(self, inputs: tuple, target: Tensor) -> Tensor:
-        main = dev.current_stream(self.device)
-        cap = self._capture_stream
-        if self._step_graph is None:
-            self._dispatch = "deferred" if self.plan.dispatch == "deferred" else "blocking"
-            if self._steps < self.graph_warmup:  # eager warm-up on a side stream, as capture requires
-                dev.wait_stream(cap, main)
-                with dev.use_stream(cap):
-                    self._zero_grad()
-                    loss = self.forward_backward(inputs, target)
-                    self._check_first_step()
-                    self._optimizer_step()
-                dev.wait_stream(main, cap)
-                self._steps += 1
-                return loss
-            self._capture_step(inputs, target)
-        static_in, static_target, static_loss = self._step_static  # type: ignore[misc]
-        live = _tensors(inputs)
-        if len(live) != len(static_in) or any(s.shape != x.shape or s.dtype != x.dtype for s, x in zip(static_in, live)):
-            raise CaptureError(
-                "whole-step CUDA graph was captured for inputs "
-                f"{[tuple(s.shape) for s in static_in]}, got {[tuple(x.shape) for x in live]}; it needs static shapes"
-            )
-        for s, x in zip(static_in, live):
-            s.copy_(x)
-        static_target.copy_(target)
-        self._step_graph.replay()  # type: ignore[union-attr]
-        if self._reducer is not None:  # collectives and the optimizer run after the replay, eagerly
-            self._reducer.reduce_all()
-            self._optimizer_step()
-        self._steps += 1
-        return static_loss
-
-    def _capture_step(self, inputs: tuple, target: Tensor) -> None:
-        main = dev.current_stream(self.device)
-        cap = self._capture_stream
-        static_inputs = tree_map(lambda x: x.clone() if isinstance(x, Tensor) else x, inputs)
-        static_target = target.clone()
-        # One retry: a capture can be invalidated by unrelated work elsewhere in the process
-        # (seen once on an H200 with the GPT proxy); a second failure is the workload's own.
-        for attempt in (1, 2):
-            for p in self.parameters():
-                p.grad = None  # grads come from the graph's pool; every replay overwrites them
-            graph = torch.cuda.CUDAGraph()
-            dev.wait_stream(cap, main)
-            self._capturing = True  # under a process group: forward + backward only, no collective
-            try:
-                with torch.cuda.graph(graph, stream=cap):
-                    loss = self.forward_backward(static_inputs, static_target)
-                    if self._reducer is None:
-                        self.optimizer.step()
-                break
-            except (RuntimeError, torch.cuda.CudaError) as e:  # type: ignore[attr-defined]
-                self._deferred, self._aux_values, self._pending = [], [], []
-                if attempt == 2:
-                    raise CaptureError(
-                        f"whole-step CUDA graph capture failed ({one_line(str(e).splitlines()[0])}); the step must "
-                        "have static shapes and no CPU syncs (.item(), .cpu(), data-dependent control flow)"
-                    ) from e
-                self.capture_retries += 1
-                dev.synchronize(self.device)
-            finally:
-                self._capturing = False
-        dev.wait_stream(main, cap)
-        self._graph_owned.update(id(p) for p in self.parameters())
-        self._step_graph = graph
-        self._step_static = (_tensors(static_inputs), static_target, loss)
 
 
 def _backward_on(aux: Tensor, stream) -> None:
@@ -720,26 +548,6 @@ def _loss_on_cpu(loss_fn: Callable[[Tensor, Tensor], Tensor], pred: Tensor, targ
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return one_line(text[0] if text else type(e).__name__)[:200]
-
-
-class _Passthrough:
-    """Forward of a later block of a run: the run's first block already applied it."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
-
-    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        return x
-
-    def __deepcopy__(self, memo: dict) -> Any:
-        return _unpatched_copy(self.module, memo)
-
-
-def _unpatched_copy(module: nn.Module, memo: dict) -> Any:
-    # A deep copy of a model with an engine attached is a plain model: its copied modules get
-    # their class's own forward back (copy.deepcopy registers the copy in memo before its state).
-    copied = memo.get(id(module), module)
-    return type(copied).forward.__get__(copied)
 
 
 def _as_tuple(inputs: Any) -> tuple:

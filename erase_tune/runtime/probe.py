@@ -85,6 +85,8 @@ class _Facts:
     """Graph nodes of the target's inputs (a run's first block)."""
     out_nodes: frozenset[int]
     """Graph nodes of the target's output tensors (a run's last block), less its inputs'."""
+    graph_problem: str | None = None
+    """Why the target cannot be captured as a CUDA graph piece, after its quoted name."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -124,6 +126,13 @@ class ProbeResult:
         if facts.call_problem:
             raise PlanError(f"placement {shown(target)}{facts.call_problem}")
 
+    def check_graphed(self, target: str) -> None:
+        """Raise a one-line :class:`PlanError` if ``target`` cannot be a graphed piece."""
+        facts = self._facts("graphed piece", target)
+        problem = facts.call_problem or facts.graph_problem
+        if problem:
+            raise PlanError(f"graphed piece {shown(target)}{problem}")
+
     def untrained(self, plan: ErasePlan) -> tuple[str, ...]:
         """Parameter names that get a gradient in the plain model but none under ``plan``."""
         return self.graph.ordered(set(self.trainable) - self._trained(plan))
@@ -134,6 +143,8 @@ class ProbeResult:
             self.check_cut(cut.module)
         for placement in plan.placements:
             self.check_placement(placement.module)
+        for graphed in plan.graphs:
+            self.check_graphed(graphed.module)
         starved = self.untrained(plan)
         if starved:
             raise PlanError(self.starved_message(plan, starved))
@@ -290,6 +301,8 @@ class _Record:
     """Output tensors of every call (a run's last block)."""
     chain: list[tuple[str, str, Any, Any]]
     """For a run: (block, next block, block's output, next block's output) per link."""
+    graph_problem: str | None = None
+    """What keeps the target from being replayed as a CUDA graph piece, if anything."""
 
 
 def _target_record(target: str, calls: Mapping[str, list[_Call]], model_name: str) -> _Record:
@@ -311,7 +324,24 @@ def _target_record(target: str, calls: Mapping[str, list[_Call]], model_name: st
         ins=[x for c in first for x in _tensor_leaves((c.args, c.kwargs))],
         outs=[x for c in last for x in _tensor_leaves(c.out)],
         chain=links,
+        graph_problem=_graph_problem(first, last),
     )
+
+
+def _graph_problem(first: Sequence[_Call], last: Sequence[_Call]) -> str | None:
+    """A CUDA-graphed piece is replayed with static buffers: once per forward, tensors in and out."""
+    if len(first) != 1:
+        return (f": the module is called {len(first)} times in one forward; a graphed piece must be called once "
+                "(each replay overwrites the previous call's outputs)")
+    call, out = first[0], last[0].out if last else None
+    if call.kwargs or not all(isinstance(a, Tensor) for a in call.args):
+        kinds = [type(a).__name__ for a in call.args if not isinstance(a, Tensor)] + [f"{k}=" for k in call.kwargs]
+        return (f": the module takes {', '.join(kinds[:3])}; a graphed piece must take tensors only, as positional "
+                "arguments (place it instead)")
+    outs = out if isinstance(out, tuple) else (out,)
+    if not all(isinstance(o, Tensor) for o in outs):
+        return f": the module returns {type(out).__name__}; a graphed piece must return a tensor or a tuple of tensors"
+    return None
 
 
 def _chain_problem(members: Sequence[str], logs: Sequence[list[_Call]]) -> str | None:
@@ -389,6 +419,7 @@ def _facts(rec: _Record, nodes: _Nodes) -> _Facts:
         output_type=output_type,
         in_nodes=in_nodes,
         out_nodes=out_nodes,
+        graph_problem=rec.graph_problem,
     )
 
 

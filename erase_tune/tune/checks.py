@@ -1,12 +1,17 @@
 """Checking a search space against its workload's model, before any trial runs.
 
 The workload is built on the CPU (its module is imported and its factory runs: space files
-are trusted like scripts), the model is probed once, and every candidate is checked as the
-plan checker would check it in a trial: it exists, it is called, a run of blocks is a chain,
-and a cut does not produce the model's output. A candidate whose detachment would leave a
-parameter untrained even with every candidate before it detached too (a cut upstream of
-which nothing else trains the embeddings, say) is refused here, with one line naming it and
-the parameters. For the others the probe gives the search a guard: detaching a candidate is
+are trusted like scripts), the model is probed once, and every candidate is checked for
+what its modes ask, as the plan checker would check it in a trial: it exists, it is called,
+a run of blocks is a chain; if it may be graphed, it takes and returns tensors and is called
+once; if it may be detached, it does not produce the model's output. A candidate that can
+never be detached (it produces the output, or detaching it would leave a parameter untrained
+even with every candidate before it detached too: a cut upstream of which nothing else
+trains the embeddings, say) may still be placed or graphed, but a space that lists it with
+detach among its modes is refused, with one line naming it and why: give it its own modes
+(``{module: top_l, modes: [keep, place, graph]}``). Only the workload's own candidates (a
+space that lists none) are taken as they come: one that can never be detached is offered
+its other modes. For the others the probe gives the search a guard: detaching a candidate is
 offered only when the cuts chosen before it cover its upstream (on a chain: the first
 segment first), so no trial is ever spent on a plan that starves a parameter. Seeds are
 checked as whole plans.
@@ -57,22 +62,29 @@ def check_space(space: SearchSpace) -> CheckedSpace:
             raise EraseTuneError(f"{space.source}: cuts.candidates: {str(e).split(': ', 1)[-1]}") from None
     inputs, _ = workload.example(torch.device("cpu"))
     found = probe(model, tuple(inputs), candidates)
-    can_detach = _guard(found)
+    base_guard = _guard(found)
+    never: set[str] = set()  # candidates no plan may detach: offered their other modes only
     greedy: list[Cut] = []  # every earlier candidate that can be detached, detached
     for c in candidates:
+        modes = space.modes_of(c)
         try:
             found.check_placement(c)
-            if space.may_detach:
-                found.check_cut(c)
-                if any(targets_overlap(c, g.module) for g in greedy):
-                    continue
-                if not can_detach(greedy, c):
-                    plan = ErasePlan(cuts=(*greedy, Cut(module=c)))
-                    raise PlanError(f"{found.starved_message(plan, found.untrained(plan))}, even with every "
-                                    "candidate before it detached too")
-                greedy.append(Cut(module=c))
+            if "graph" in modes:
+                found.check_graphed(c)
+            if "detach" not in modes:
+                continue
+            why = _never_detached(found, base_guard, greedy, c)
+            if why is None:
+                if not any(targets_overlap(c, g.module) for g in greedy):
+                    greedy.append(Cut(module=c))
+            elif space.candidates or not set(modes) - {"keep", "detach"}:
+                # Listed by the user for detaching: say why it cannot be, rather than never do it.
+                raise PlanError(f"{why}; leave detach out of its modes" if c in space.candidate_modes else why)
+            else:
+                never.add(c)  # one of the workload's own candidates, offered its other modes
         except PlanError as e:
             raise EraseTuneError(f"{space.source}: cuts.candidates: {e}") from None
+    can_detach: Guard = lambda cuts, c: c not in never and base_guard(cuts, c)  # noqa: E731
     seeds = []
     for i, (seed_name, plan) in enumerate(space.seeds):
         try:
@@ -85,6 +97,19 @@ def check_space(space: SearchSpace) -> CheckedSpace:
         except EraseTuneError as e:
             raise EraseTuneError(f"{space.source}: seeds[{i}] ({shown(seed_name)}): {e}") from None
     return CheckedSpace(candidates=candidates, seeds=seeds, can_detach=can_detach)
+
+
+def _never_detached(found: ProbeResult, can_detach: Guard, greedy: Sequence[Cut], candidate: str) -> str | None:
+    """Why no plan can detach ``candidate`` (``greedy``: every earlier candidate that can be
+    detached, detached), or None if one can."""
+    try:
+        found.check_cut(candidate)
+    except PlanError as e:
+        return str(e)
+    if any(targets_overlap(candidate, g.module) for g in greedy) or can_detach(greedy, candidate):
+        return None
+    plan = ErasePlan(cuts=(*greedy, Cut(module=candidate)))
+    return f"{found.starved_message(plan, found.untrained(plan))}, even with every candidate before it detached too"
 
 
 def _guard(found: ProbeResult) -> Guard:

@@ -24,7 +24,7 @@ from typing import Any
 
 from erase_tune.errors import EraseTuneError
 from erase_tune.tune.outcome import ConfirmOutcome, Failure, TrialOutcome
-from erase_tune.tune.worker import ConfirmSpec, TrialSpec
+from erase_tune.tune.worker import ConfirmSpec, ReferenceOutcome, ReferenceSpec, TrialSpec
 from erase_tune.tune.workers import WorkerGroup, _first_line
 
 __all__ = ["TrialHandle", "RayExecutor", "resolve_address"]
@@ -220,6 +220,36 @@ class RayExecutor:
         except Exception as e:  # noqa: BLE001 - a worker or node lost during the confirmation
             self._replace(group)
             return ConfirmOutcome(failure=Failure(kind="infra", reason=f"worker died: {_first_line(e)}"))
+
+    def reference(self, spec: ReferenceSpec, timeout: float, attempts: int = 3) -> ReferenceOutcome:
+        """Try the whole-step-graph reference on a free slot (rank 0's GPU) and wait for it; a
+        lost worker is retried on a fresh slot. The slot is replaced after any try that did not
+        capture: a failed capture can leave its process's CUDA state unfit for measuring."""
+        outcome = ReferenceOutcome(failure=Failure(kind="infra", reason="no attempt made"))
+        for _ in range(attempts):
+            deadline = time.monotonic() + timeout
+            while not self.idle():
+                if time.monotonic() > deadline:
+                    return ReferenceOutcome(failure=Failure(kind="infra", reason="no free trial slot for the try"))
+                time.sleep(0.2)
+            group = next(g for g in self._groups if g.state == "ready" and g not in {h.group for h in self.running})
+            ref = group.actors[0].reference.remote(dataclasses.replace(spec, device=self.device))
+            ready, _ = self._ray.wait([ref], timeout=max(1.0, deadline - time.monotonic()))
+            if not ready:
+                outcome = ReferenceOutcome(failure=Failure(kind="trial", reason=f"timed out after {timeout:.0f}s"))
+            else:
+                try:
+                    outcome = self._ray.get(ref)
+                except self._ray.exceptions.RayTaskError as e:
+                    outcome = ReferenceOutcome(failure=Failure(kind="trial", reason=f"{type(e.cause).__name__}: "
+                                                                                     f"{_first_line(e.cause)}"))
+                except Exception as e:  # noqa: BLE001 - a worker or node lost during the try
+                    outcome = ReferenceOutcome(failure=Failure(kind="infra", reason=f"worker died: {_first_line(e)}"))
+            if outcome.reason is not None:
+                self._replace(group)
+            if outcome.failure is None or outcome.failure.kind != "infra":
+                break
+        return outcome
 
     def close(self) -> None:
         for handle in list(self._running.values()):

@@ -8,6 +8,13 @@ the noise floor of the NE gap is measured on a trial slot (erase_tune.noise; onc
 a resumed job reuses the stored one), so feasibility accounts for it from the first trial. A resumed job replays
 the local journal of outcomes a previous driver measured but could not store.
 
+On GPU slots the whole-step CUDA-graph reference is tried once per job, on a worker, before the
+first trial (:func:`erase_tune.trial.reference_capture_error`); the outcome is kept on the study
+(a resumed job does not try again). A model whose step cannot be captured whole is tuned
+without that reference: trials leave it out and record why, a ``whole_step_graph: true``
+choice is dropped, and a space that needs it (``gain_over: graph``, only ``whole_step_graph:
+true``) is refused with the capture error before any trial runs.
+
 Resume policy: ``--trials N`` is the number of measured trials the *study* should hold, so
 re-running the same command resumes; a study tuning another workload or measuring against
 another baseline is refused (its trials would not be comparable). Each driver that starts
@@ -38,7 +45,7 @@ from erase_tune.tune.record import Recorder
 from erase_tune.tune.space import SearchSpace, plan_key
 from erase_tune.tune.space_file import MAX_TRIALS
 from erase_tune.tune.study import Attr, FrontPoint, make_sampler, noise_band, open_study, pareto_front
-from erase_tune.tune.worker import ConfirmSpec
+from erase_tune.tune.worker import ConfirmSpec, ReferenceSpec
 
 __all__ = ["JobSummary", "start_job", "JobFailed"]
 
@@ -130,9 +137,16 @@ def start_job(
             # The first line of a job that runs (a refusal before this point is its one error line).
             log.info("workload %s: code from module %s runs here and on the workers (a space file is trusted like "
                      "a script)", space.workload, module)
+            original = space
+            space, reference_error = _graph_reference(db, space, name, executor)
+            if reference_error is not None:
+                dropped = "; its whole_step_graph: true choice is dropped" if True in original.whole_step_graph else ""
+                log.info("whole-step CUDA graph: this model's step cannot be captured whole (%s): trials run without "
+                         "the graph reference%s", reference_error, dropped)
             floor, measured_here = _noise_floor(db, space, name, executor)
             band = float(floor["band"]) if floor else 0.0
-            loop = _set_up(db, space, name, str(space_path), target, checked, executor, on_progress, band)
+            loop = _set_up(db, space, name, str(space_path), target, checked, executor, on_progress, reference_error,
+                           band)
             if floor and (measured_here or db.store.noise_floor(loop.recorder.job) is None):
                 # Also on a resume after a driver stopped between storing the attr and the row.
                 db.store.record_noise_floor(loop.recorder.job, floor)
@@ -186,8 +200,42 @@ def _noise_floor(db: Any, space: SearchSpace, name: str, executor: RayExecutor) 
     return floor, True
 
 
+
+
+def _graph_reference(db: Any, space: SearchSpace, name: str, executor: RayExecutor) -> tuple[SearchSpace, str | None]:
+    """Try the whole-step-graph reference once per job (see the module docstring): the space to
+    run (``whole_step_graph`` limited to false and the reference off when it cannot be captured)
+    and why it cannot, or None. Nothing is tried on CPU slots, nor with the reference off."""
+    if executor.device != "cuda" or not space.budget.reference:
+        return space, None
+    study = open_study(db.optuna, name)
+    tuned = study.user_attrs.get(Attr.WORKLOAD)
+    if tuned is not None and tuned != {"name": space.workload, "args": dict(space.workload_args)}:
+        return space, None  # another workload's study: _set_up refuses it
+    if Attr.REFERENCE_ERROR in study.user_attrs:
+        error = study.user_attrs[Attr.REFERENCE_ERROR]
+    else:
+        outcome = executor.reference(ReferenceSpec(workload=space.workload, workload_args=dict(space.workload_args),
+                                                   seed=space.budget.seed), timeout=space.timeout_s)
+        if outcome.failure is not None and outcome.failure.kind == "infra":
+            raise JobFailed(f"job {name}: could not try the whole-step CUDA graph on a worker: {outcome.failure.reason}")
+        error = outcome.reason
+        study.set_user_attr(Attr.REFERENCE_ERROR, error)
+    if error is None:
+        return space, None
+    if space.gain_over == "graph":
+        raise EraseTuneError(f"{space.source}: gain_over: graph, but this model's step cannot be captured as one CUDA "
+                             f"graph ({error}); use gain_over: eager")
+    if False not in space.whole_step_graph:
+        raise EraseTuneError(f"{space.source}: cuts.whole_step_graph: [true], but this model's step cannot be captured "
+                             f"as one CUDA graph ({error}); use [false]")
+    return dataclasses.replace(space, whole_step_graph=(False,),
+                               budget=dataclasses.replace(space.budget, reference=False)), error
+
+
 def _set_up(db: Any, space: SearchSpace, name: str, space_path: str, target: int, checked: CheckedSpace,
-            executor: RayExecutor, on_progress: Callable[[Progress], None], band: float = 0.0) -> Loop:
+            executor: RayExecutor, on_progress: Callable[[Progress], None], reference_error: str | None = None,
+            band: float = 0.0) -> Loop:
     workload_attr = {"name": space.workload, "args": dict(space.workload_args)}
     with db.lock(f"study:{name}"):
         study = open_study(db.optuna, name)
@@ -213,7 +261,8 @@ def _set_up(db: Any, space: SearchSpace, name: str, space_path: str, target: int
             recorder.record(entry.trial_number, entry.plan_key, entry.outcome, entry.attempts)
             journal.remove(entry.trial_number)
     return Loop(space=space, study=study, storage=db, executor=executor, recorder=recorder, journal=journal,
-                checked=checked, target=target, max_failures=max(3, target), on_progress=on_progress)
+                checked=checked, target=target, max_failures=max(3, target), on_progress=on_progress,
+                reference_error=reference_error)
 
 
 def _run(db: Any, loop: Loop, space: SearchSpace, name: str, executor: RayExecutor,

@@ -6,7 +6,9 @@ respect to other drivers. So the target is the study's, not each driver's (the s
 with ``target`` measured trials however many drivers run), and no plan is run that another
 driver has measured, is running, or saw fail. Repeats of measured plans are answered from
 the earlier trial and do not count; trial failures are recorded once and do not count
-either; infrastructure failures are retried on a fresh worker group first.
+either; infrastructure failures are retried on a fresh worker group first. A failure that
+is systematic (the baseline itself cannot run, or the first trials all fail the same way
+while none has been measured) stops the job instead of spending its budget on more of it.
 
 Liveness is Optuna's heartbeat: every driver beats for its own running trials and fails
 other drivers' trials whose heartbeat went stale (``fail_stale_trials``); the loop ends
@@ -20,6 +22,7 @@ import contextlib
 import dataclasses
 import datetime as dt
 import logging
+import re
 import time
 from collections.abc import Callable
 
@@ -29,6 +32,7 @@ from optuna.trial import TrialState
 
 from erase_tune.runtime import ErasePlan
 from erase_tune.store.storage import Storage, StorageLost, retrying
+from erase_tune.trial import BASELINE
 from erase_tune.tune.checks import CheckedSpace
 from erase_tune.tune.executor import RayExecutor, TrialHandle
 from erase_tune.tune.journal import Entry, Journal
@@ -38,7 +42,7 @@ from erase_tune.tune.space import SearchSpace
 from erase_tune.tune.study import Attr, FrontPoint, measured, pareto_front
 from erase_tune.tune.worker import TrialSpec
 
-__all__ = ["Progress", "Loop", "HEARTBEAT_S", "MAX_INFRA_RETRIES"]
+__all__ = ["Progress", "Loop", "HEARTBEAT_S", "MAX_INFRA_RETRIES", "SYSTEMATIC_FAILURES", "systematic_failure"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +52,12 @@ MAX_INFRA_RETRIES = 2
 """Extra attempts of a trial whose worker, node or environment failed."""
 MAX_REPEATS_IN_A_ROW = 50
 """Proposals in a row that repeat known plans: the sampler has nothing new to offer."""
+SYSTEMATIC_FAILURES = 3
+"""Failed trials, all failing the same way before any trial is measured, that stop the job.
+One failure can be its plan's own (a plan that runs out of memory); three different plans
+failing alike say the workload or the cluster is at fault, and every later trial would fail
+the same way (seen: 12 of 12 trials, 5.5 minutes, lost to one capture error). A failure that
+names the baseline stops the job at once: every trial runs the same baseline."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -82,10 +92,12 @@ class Loop:
 
     def __init__(self, *, space: SearchSpace, study: optuna.Study, storage: Storage, executor: RayExecutor,
                  recorder: Recorder, journal: Journal, checked: CheckedSpace, target: int, max_failures: int,
-                 on_progress: Callable[[Progress], None]) -> None:
+                 on_progress: Callable[[Progress], None], reference_error: str | None = None) -> None:
         self.space, self.study, self.storage, self.executor = space, study, storage, executor
         self.recorder, self.journal, self.checked = recorder, journal, checked
         self.target, self.max_failures, self.on_progress = target, max_failures, on_progress
+        self.reference_error = reference_error
+        """Why the whole-step-graph reference cannot be captured (trials leave it out), or None."""
         self.inflight: list[_Inflight] = []
         self.stopped: str | None = None
         self.started = time.monotonic()
@@ -176,7 +188,8 @@ class Loop:
         spec = TrialSpec(trial_number=trial.number, workload=self.space.workload,
                          workload_args=dict(self.space.workload_args), plan=plan.to_dict(),
                          budget=dataclasses.asdict(self.space.budget), baseline_ne=self.db(
-                             "reading the baseline cache", self.recorder.baseline_ne))
+                             "reading the baseline cache", self.recorder.baseline_ne),
+                         reference_error=self.reference_error)
         return _Inflight(number=trial.number, plan=plan, key=key, spec=spec)
 
     def finish(self, handle: TrialHandle, outcome: TrialOutcome) -> None:
@@ -195,6 +208,8 @@ class Loop:
             inf.number, inf.key, outcome, inf.attempts))
         self.journal.remove(inf.number)
         self.inflight.remove(inf)
+        if failure is not None and self.stopped is None:
+            self.stopped = self.db("reading the study", lambda: systematic_failure(self.study))
         w = outcome.worker
         if outcome.complete:
             self.cost["record"].append(time.perf_counter() - t0)
@@ -276,3 +291,27 @@ class Loop:
         self.on_progress(Progress(event=event, message=message, done=done, failed=failed,
                                   running=len(self.inflight), target=self.target, elapsed_s=elapsed, eta_s=eta,
                                   best=front[0] if front else None))
+
+
+def systematic_failure(study: optuna.Study) -> str | None:
+    """Why the job should stop, when its failures are systematic (see :data:`SYSTEMATIC_FAILURES`):
+    one line naming the failure, or None. Nothing is systematic once a trial has been measured."""
+    if measured(study):
+        return None
+    failed = [t for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,)) if Attr.FAILURE_KIND in t.user_attrs]
+    reasons = [str(t.user_attrs.get(Attr.FAILURE, "")) for t in failed]
+    baseline = next((r for r in reasons if r.startswith(f"{BASELINE}:")), None)
+    if baseline is not None:
+        return f"the baseline cannot run, so no trial can: {baseline}"
+    kinds = {_failure_kind(r, str(t.user_attrs.get(Attr.PLAN_SUMMARY, ""))) for r, t in zip(reasons, failed)}
+    if len(failed) >= SYSTEMATIC_FAILURES and len(kinds) == 1:
+        return f"the first {len(failed)} trials all failed the same way: {reasons[-1]}"
+    return None
+
+
+def _failure_kind(reason: str, plan: str) -> str:
+    """``reason`` without what differs between plans that fail alike: the plan's own
+    description, parenthesised details and numbers (sizes, counts, module indices)."""
+    if plan:
+        reason = reason.replace(plan, "")
+    return re.sub(r"\d+", "#", re.sub(r"\([^()]*\)", "()", reason)).strip()

@@ -5,9 +5,12 @@ streams there are, which dispatch modes, per-cut and whole-step CUDA graphs, the
 range, FUP, the objectives, the NE-gap budget, the sampler, the per-trial budget and the
 seed plans enqueued first. It is validated at load; every error names the file and field.
 
-Each candidate gets one choice among keep / place on a side stream / detach on a stream.
-The space is conditional, so no trial is spent on a meaningless combination: a stream is
-only asked for a placed or detached candidate, λ and the graph flag only for detached ones,
+Each candidate gets one choice among keep / place on a side stream / detach on a stream /
+graph (captured as a CUDA graph inside the eager step, not detached, on the main stream or a
+side stream); which of them a candidate is offered is the space's ``modes``, or the
+candidate's own (``{module: top_l, modes: [keep, place, graph]}``). The space is
+conditional, so no trial is spent on a meaningless combination: a stream is only asked for a
+placed, detached or graphed candidate, λ and the graph flag only for detached ones,
 dispatch and per-cut graph flags only without a whole-step graph (launch order is fixed at
 capture there), and a candidate overlapping one already used in the plan is not asked. Stream ids are
 interchangeable, so every sampled plan is canonicalised (``ErasePlan.canonical``) and the
@@ -24,15 +27,17 @@ from typing import Any
 
 from erase_tune._files import load_yaml, read_text
 from erase_tune.errors import EraseTuneError, one_line
-from erase_tune.runtime import Cut, ErasePlan, Placement
+from erase_tune.runtime import Cut, ErasePlan, Graphed, Placement
 from erase_tune.runtime.plan import targets_overlap
 from erase_tune.trial import Budget
 
 __all__ = ["SearchSpace", "SpaceError", "MODES", "plan_params", "plan_key"]
 
-MODES = ("keep", "place", "detach")
+MODES = ("keep", "place", "detach", "graph")
 """What a plan may do with a candidate: leave it, run it on a side stream (gradients
-unchanged), or detach it with a local loss on a stream (ERASE)."""
+unchanged), detach it with a local loss on a stream (ERASE), or capture its forward and
+backward as a CUDA graph replayed inside the eager step (gradients unchanged; on the main
+stream or a side stream)."""
 
 
 class SpaceError(EraseTuneError, ValueError):
@@ -49,12 +54,12 @@ class SearchSpace:
     """Built-in workload name or ``package.module:factory``."""
     workload_args: Mapping[str, Any]
     candidates: tuple[str, ...]
-    """Modules (or runs) a plan may place or detach; empty = the workload's own candidates."""
+    """Modules (or runs) a plan may place, detach or graph; empty = the workload's own candidates."""
     modes: tuple[str, ...]
-    """Choices per candidate among :data:`MODES`."""
+    """Choices per candidate among :data:`MODES`, for a candidate without its own."""
     max_streams: int
-    """Side streams available; a detached cut's stream is searched in 0..max_streams, a
-    placement's in 1..max_streams (with ``streams: searched``)."""
+    """Side streams available; a detached cut's or a graphed piece's stream is searched in
+    0..max_streams, a placement's in 1..max_streams (with ``streams: searched``)."""
     streams: str
     """``searched`` or ``round_robin`` (candidate i on side stream 1 + i % max_streams)."""
     dispatch: tuple[str, ...]
@@ -90,6 +95,9 @@ class SearchSpace:
     or one CPU each with ``device: cpu``), every variant's gradients averaged across them."""
     text: str = ""
     """The file's text, as given (stored with the job)."""
+    candidate_modes: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    """A candidate's own choices among :data:`MODES`, where its entry gives them
+    (``{module: top_l, modes: [keep, graph]}``); the others take :attr:`modes`."""
 
     # -- loading -----------------------------------------------------------------------------
 
@@ -114,24 +122,30 @@ class SearchSpace:
 
     @property
     def may_detach(self) -> bool:
-        """Whether a plan of this space can detach anything."""
-        return "detach" in self.modes
+        """Whether a plan of this space can detach anything (the workload's own candidates
+        take :attr:`modes`)."""
+        return "detach" in self.modes or any("detach" in m for m in self.candidate_modes.values())
+
+    def modes_of(self, candidate: str) -> tuple[str, ...]:
+        """The choices a plan of this space has for ``candidate``: its own, else :attr:`modes`."""
+        return self.candidate_modes.get(candidate, self.modes)
 
     def plan_from_trial(self, trial: Any, candidates: Sequence[str], can_detach: Guard | None = None) -> ErasePlan:
         """Define-by-run: ask ``trial`` (an Optuna trial) for one plan of this space.
 
         ``can_detach(cuts so far, candidate)`` says whether detaching the candidate now would
         leave a parameter untrained (see :mod:`erase_tune.tune.checks`); where it would, the
-        candidate is only offered keep or place (under another parameter name, so every
+        candidate is only offered its other modes (under another parameter name, so every
         name keeps one set of choices)."""
         whole = _choose(trial, "whole_step_graph", self.whole_step_graph)
         cuts: list[Cut] = []
         placed: list[Placement] = []
+        graphed: list[Graphed] = []
         used: list[str] = []
         for c in candidates:
             if any(targets_overlap(c, u) for u in used):
                 continue  # a module is in one plan element at most: this candidate is not asked
-            name, modes = _modes(self.modes, c, can_detach is None or can_detach(cuts, c))
+            name, modes = _modes(self.modes_of(c), c, can_detach is None or can_detach(cuts, c))
             mode = _choose(trial, name, modes)
             if mode != "keep":
                 used.append(c)
@@ -145,14 +159,21 @@ class SearchSpace:
                 low, high, log = self.aux_weight
                 weight = trial.suggest_float(f"{c}.aux_weight", low, high, log=log) if low < high else low
                 cuts.append(Cut(module=c, stream=stream, aux_weight=weight))
+            elif mode == "graph":
+                # Under a whole-step graph the piece is in the step's graph already: canonical()
+                # makes it a placement (side stream) or nothing (main stream), so the study
+                # answers it from the equal plan it may have measured.
+                stream = fixed if rr or not self.max_streams else trial.suggest_int(f"{c}.graph_stream", 0,
+                                                                                    self.max_streams)
+                graphed.append(Graphed(module=c, stream=stream))
         dispatch = "blocking"
         if cuts and not whole:
             dispatch = _choose(trial, "dispatch", self.dispatch)
             if dispatch != "deferred":  # a per-cut graph holds its backward: never deferred
                 cuts = [dataclasses.replace(c, graph=_choose(trial, f"{c.module}.graph", self.graph)) for c in cuts]
         fup = _choose(trial, "find_unused_parameters", self.find_unused_parameters)
-        plan = ErasePlan(cuts=tuple(cuts), placements=tuple(placed), num_streams=self.max_streams, dispatch=dispatch,
-                         whole_step_graph=whole, find_unused_parameters=fup)
+        plan = ErasePlan(cuts=tuple(cuts), placements=tuple(placed), graphs=tuple(graphed), num_streams=self.max_streams,
+                         dispatch=dispatch, whole_step_graph=whole, find_unused_parameters=fup)
         return plan.canonical()
 
 
@@ -163,7 +184,8 @@ Guard = Callable[[Sequence[Cut], str], bool]
 def _modes(modes: tuple[str, ...], candidate: str, detach_ok: bool) -> tuple[str, tuple[str, ...]]:
     if detach_ok or "detach" not in modes:
         return f"{candidate}.mode", modes
-    return f"{candidate}.mode_upstream", tuple(m for m in modes if m != "detach")
+    # A candidate whose own only choice is detach is kept until its upstream is covered.
+    return f"{candidate}.mode_upstream", tuple(m for m in modes if m != "detach") or ("keep",)
 
 
 def plan_key(space: SearchSpace, candidates: Sequence[str], can_detach: Guard | None = None
@@ -221,7 +243,8 @@ def plan_params(space: SearchSpace, plan: ErasePlan, candidates: Sequence[str],
     (for ``study.enqueue_trial``); raises SpaceError if the plan lies outside the space."""
     cut_of = {c.module: c for c in plan.cuts}
     place_of = {p.module: p for p in plan.placements}
-    unknown = sorted((set(cut_of) | set(place_of)) - set(candidates))
+    graph_of = {g.module: g for g in plan.graphs}
+    unknown = sorted((set(cut_of) | set(place_of) | set(graph_of)) - set(candidates))
     if unknown:
         raise SpaceError(f"{unknown[0]!r} is not among the space's candidates ({', '.join(candidates)})")
     params: dict[str, Any] = {}
@@ -244,17 +267,22 @@ def plan_params(space: SearchSpace, plan: ErasePlan, candidates: Sequence[str],
     for c in candidates:
         if any(targets_overlap(c, u) for u in used):
             continue  # not asked by plan_from_trial either
-        cut, placed = cut_of.get(c), place_of.get(c)
-        mode = "detach" if cut else "place" if placed else "keep"
+        cut, placed, graphed = cut_of.get(c), place_of.get(c), graph_of.get(c)
+        mode = "detach" if cut else "place" if placed else "graph" if graphed else "keep"
         so_far = [x for x in plan.cuts if candidates.index(x.module) < candidates.index(c)]
-        name, modes = _modes(space.modes, c, can_detach is None or can_detach(so_far, c))
+        name, modes = _modes(space.modes_of(c), c, can_detach is None or can_detach(so_far, c))
         if mode == "detach" and "detach" not in modes:
             raise SpaceError(f"cut {c!r} would leave parameters untrained unless the candidates before it are cut")
+        if placed is not None and plan.whole_step_graph and "place" not in modes and "graph" in modes:
+            # Inside a whole-step graph a graphed piece on a side stream is canonically a placement.
+            mode, graphed, placed = "graph", Graphed(module=c, stream=placed.stream), None
         fix(name, mode, modes)
         if mode != "keep":
             used.append(c)
         if placed is not None:
             stream(f"{c}.place_stream", placed.stream, 1)
+        if graphed is not None and space.max_streams:
+            stream(f"{c}.graph_stream", graphed.stream, 0)
         if cut is None:
             continue
         if space.max_streams:

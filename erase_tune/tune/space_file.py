@@ -23,7 +23,7 @@ from erase_tune.runtime.plan import MAX_STREAMS, MAX_TARGETS
 from erase_tune.trial import MAX_STEPS, Budget
 from erase_tune.tune.study import METRIC_NAMES, SAMPLERS
 
-__all__ = ["parse", "MAX_TRIALS", "MAX_SEED", "STREAMS"]
+__all__ = ["parse", "MAX_TRIALS", "MAX_SEED", "MODES", "STREAMS"]
 
 MAX_TRIALS = 100_000
 MAX_SEED = 2**32 - 1
@@ -34,6 +34,8 @@ MAX_GPUS_PER_TRIAL = 64
 """Most ranks one data-parallel trial may ask for (all on one node)."""
 _CUTS = {"candidates", "modes", "max_streams", "streams", "dispatch", "graph", "whole_step_graph",
          "find_unused_parameters", "aux_weight"}
+MODES = ("keep", "place", "detach", "graph")
+"""What a plan may do with a candidate (see :data:`erase_tune.tune.space.MODES`)."""
 STREAMS = ("searched", "round_robin")
 """``searched``: each placed or detached candidate's stream is a search parameter.
 ``round_robin``: candidate i always runs on side stream 1 + i % max_streams (fewer plans)."""
@@ -53,7 +55,7 @@ def parse(data: Any, base: Path) -> dict[str, Any]:
     wl = _mapping(wl, "workload", "{name, args}")
     _known(wl, {"name", "args", "working_dir", "py_modules"}, "workload.")
     if not isinstance(wl.get("name"), str) or not wl["name"].strip():
-        raise _Error("workload.name: required (ctr, gpt, mlp or package.module:factory)")
+        raise _Error("workload.name: required (ctr, gpt, mlp, dlrm or package.module:factory)")
     args = _mapping(_or(wl.get("args"), {}), "workload.args", "a mapping of argument names to values")
     working_dir = None if wl.get("working_dir") is None else _path(wl["working_dir"], "workload.working_dir", base)
     py_modules = _or(wl.get("py_modules"), [])
@@ -63,23 +65,10 @@ def parse(data: Any, base: Path) -> dict[str, Any]:
 
     cuts = _mapping(_or(data.get("cuts"), {}), "cuts", "a mapping")
     _known(cuts, _CUTS, "cuts.")
-    candidates = _or(cuts.get("candidates"), [])
-    if not isinstance(candidates, list) or not all(isinstance(c, str) and c for c in candidates):
-        raise _Error("cuts.candidates: must be a list of module names (or runs like blocks.0:2)")
-    if len(candidates) > MAX_TARGETS:
-        raise _Error(f"cuts.candidates: {len(candidates)} candidates; at most {MAX_TARGETS}")
-    if len(set(candidates)) != len(candidates):
-        raise _Error("cuts.candidates: lists a module twice")
-    for c in candidates:
-        try:
-            Cut(module=c)
-        except PlanError as e:
-            raise _Error(f"cuts.candidates: {e}") from None
     max_streams = _int(cuts.get("max_streams", 4), "cuts.max_streams", 0, MAX_STREAMS)
-    modes = _choices(cuts.get("modes", ["keep", "place", "detach"] if max_streams else ["keep", "detach"]),
-                     "cuts.modes", ("keep", "place", "detach"))
-    if "place" in modes and not max_streams:
-        raise _Error("cuts.modes: place needs side streams (cuts.max_streams >= 1)")
+    modes = _modes(cuts.get("modes", ["keep", "place", "detach"] if max_streams else ["keep", "detach"]),
+                   "cuts.modes", max_streams)
+    candidates, candidate_modes = _candidates(_or(cuts.get("candidates"), []), max_streams)
     streams = cuts.get("streams", "searched")
     if streams not in STREAMS:
         raise _Error(f"cuts.streams: {shown(streams)} is not one of {', '.join(STREAMS)}")
@@ -154,7 +143,8 @@ def parse(data: Any, base: Path) -> dict[str, Any]:
         seeds.append((name, plan.canonical()))
 
     return dict(
-        workload=wl["name"], workload_args=dict(args), candidates=tuple(candidates), modes=modes,
+        workload=wl["name"], workload_args=dict(args), candidates=candidates, modes=modes,
+        candidate_modes=candidate_modes,
         max_streams=max_streams, streams=streams, dispatch=dispatch, graph=graph, whole_step_graph=whole, find_unused_parameters=fup,
         aux_weight=(low, high, log), max_ne_gap=max_ne_gap, gain_over=gain_over, sampler=sampler["name"],
         sampler_seed=sampler_seed, budget=budget, timeout_s=timeout_s,
@@ -162,6 +152,49 @@ def parse(data: Any, base: Path) -> dict[str, Any]:
         gpus_per_trial=gpus_per_trial,
         working_dir=working_dir, py_modules=tuple(py_modules),
     )
+
+
+def _candidates(raw: Any, max_streams: int) -> tuple[tuple[str, ...], dict[str, tuple[str, ...]]]:
+    """The candidates' targets, and the modes of those whose entry gives its own.
+
+    An entry is a target (``top_l``, ``blocks.0:2``) or ``{module: top_l, modes: [...]}``."""
+    if not isinstance(raw, list):
+        raise _Error("cuts.candidates: must be a list of module names (or runs like blocks.0:2) "
+                     "or {module, modes} entries")
+    if len(raw) > MAX_TARGETS:
+        raise _Error(f"cuts.candidates: {len(raw)} candidates; at most {MAX_TARGETS}")
+    names: list[str] = []
+    own: dict[str, tuple[str, ...]] = {}
+    for i, entry in enumerate(raw):
+        where = f"cuts.candidates[{i}]"
+        if isinstance(entry, Mapping):
+            entry = _mapping(entry, where, "{module, modes}")
+            _known(entry, {"module", "modes"}, f"{where}.")
+            module = entry.get("module")
+            if not isinstance(module, str) or not module:
+                raise _Error(f"{where}.module: {shown(module)} must be a module name (or a run like blocks.0:2)")
+            if entry.get("modes") is not None:
+                own[module] = _modes(entry["modes"], f"{where}.modes", max_streams)
+        elif isinstance(entry, str) and entry:
+            module = entry
+        else:
+            raise _Error(f"{where}: {shown(entry)} must be a module name (or a run like blocks.0:2) "
+                         "or {module, modes}")
+        try:
+            Cut(module=module)
+        except PlanError as e:
+            raise _Error(f"cuts.candidates: {e}") from None
+        if module in names:
+            raise _Error(f"cuts.candidates: lists {shown(module)} twice")
+        names.append(module)
+    return tuple(names), own
+
+
+def _modes(value: Any, name: str, max_streams: int) -> tuple[str, ...]:
+    modes = _choices(value, name, MODES)
+    if "place" in modes and not max_streams:
+        raise _Error(f"{name}: place needs side streams (cuts.max_streams >= 1)")
+    return modes
 
 
 def _or(value: Any, default: Any) -> Any:

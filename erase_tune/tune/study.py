@@ -57,6 +57,7 @@ class Attr:
     DRIVERS = "drivers_started"
     NOISE_FLOOR = "noise_floor"  # erase_tune.noise.NoiseFloor.to_dict()
     NOISE_BAND = "ne_noise_band"  # its band, a scalar the dashboard lists
+    REFERENCE_ERROR = "reference_error"  # why the whole-step graph cannot be captured; None: it can (CUDA only)
 
 
 _OLD_METRICS = {"gain_vs_eager": "gain_p90", "gain_vs_graph": "gain_vs_reference"}

@@ -38,6 +38,8 @@ def trial_table(result: TrialResult) -> str:
         lines.append(f"of which work removed (detach only): {result.gain_detach_only:+.2%}")
     if result.gain_vs_reference is not None:
         lines.append(f"vs whole-step-graph baseline: {result.gain_vs_reference:+.2%}")
+    if result.reference_error is not None:
+        lines.append(f"whole-step-graph baseline left out: {result.reference_error}")
     if prov.get("data_passes", 0) > 1:
         lines.append(f"note: training read its batches {prov['data_passes']:.1f} times (raise the workload's "
                      "train_batches for one pass; a second pass can over-fit and skew NE)")

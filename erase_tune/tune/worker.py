@@ -4,8 +4,11 @@ This is the seam between the service and the library: a Ray actor (or anything e
 :func:`run_spec` in its process; it builds the workload, runs
 :func:`erase_tune.trial.run_trial` and turns every way a trial can go wrong into a
 :class:`~erase_tune.tune.outcome.Failure` of the right kind, so a broken trial is recorded,
-not fatal. :func:`run_confirm` does the same for a confirming re-measurement (of speed or of quality)
-and for the noise floor a job measures before its trials.
+not fatal. :func:`run_confirm` does the same for a confirming re-measurement (of speed or of
+quality) and for the noise floor a job measures before its trials, and :func:`run_reference`
+for the job's one try of the whole-step-graph reference (before its first trial, in a worker
+the executor replaces afterwards when the capture failed: a failed capture can leave a
+process's CUDA state unfit for measuring).
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from typing import Any, TypeVar
 
 from erase_tune.tune.outcome import ConfirmOutcome, Failure, TrialOutcome, WorkerInfo
 
-__all__ = ["TrialSpec", "ConfirmSpec", "run_spec", "run_confirm", "classify"]
+__all__ = ["TrialSpec", "ConfirmSpec", "ReferenceSpec", "ReferenceOutcome", "run_spec", "run_confirm",
+           "run_reference", "classify"]
 
 T = TypeVar("T")
 
@@ -36,6 +40,9 @@ class TrialSpec:
     device: str = "auto"
     baseline_ne: float | None = None
     """The baseline's held-out NE from an earlier trial of this job (saves its training)."""
+    reference_error: str | None = None
+    """Why the job's whole-step-graph reference cannot be captured (the trial leaves it out and
+    records this), or None: it can, or was not tried (CPU, ``budget.reference`` off)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -61,6 +68,31 @@ class ConfirmSpec:
 CONFIRM_TASKS = ("speed", "quality", "noise")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReferenceSpec:
+    """The job's one try of the whole-step-graph reference (:func:`erase_tune.trial.reference_capture_error`)."""
+
+    workload: str
+    workload_args: Mapping[str, Any]
+    seed: int = 0
+    device: str = "auto"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReferenceOutcome:
+    """What the try found: ``error`` is the capture's one line (None: it captures); ``failure``
+    is anything else that went wrong on the way (the workload's own error, a lost worker)."""
+
+    error: str | None = None
+    failure: Failure | None = None
+    worker: WorkerInfo = dataclasses.field(default_factory=WorkerInfo)
+
+    @property
+    def reason(self) -> str | None:
+        """Why the reference cannot be used, in one line; None when it can."""
+        return self.failure.reason if self.failure is not None else self.error
+
+
 def run_spec(spec: TrialSpec, info: Callable[[], dict[str, Any]] = dict, process_group: Any = None) -> TrialOutcome:
     """Run one trial; never raises for a trial's own failure. ``info`` adds where it ran;
     ``process_group``: as one rank of a data-parallel trial (:mod:`erase_tune.tune.distributed`)."""
@@ -74,7 +106,7 @@ def run_spec(spec: TrialSpec, info: Callable[[], dict[str, Any]] = dict, process
         workload = get_workload(spec.workload, dict(spec.workload_args))
         marks["ready"] = time.time()
         return run_trial(workload, plan, Budget(**spec.budget), device=spec.device, baseline_ne=spec.baseline_ne,
-                         process_group=process_group)
+                         process_group=process_group, reference_error=spec.reference_error)
 
     marks: dict[str, float] = {}
     result, failure, worker = _run(work, marks, info)
@@ -112,12 +144,30 @@ def _quality_or_noise(spec: ConfirmSpec, workload: Any, plans: Mapping[str, Any]
 
     budget = Budget(**spec.budget)
     if spec.task == "noise":
+        # The whole-step graph is a perturbation only where the job found it capturable (the
+        # service turns budget.reference off when it is not).
         return measure_noise_floor(workload, budget, repeats=budget.noise_repeats, device=spec.device,
-                                   process_group=process_group)
+                                   graph=None if budget.reference else False, process_group=process_group)
     if spec.task == "quality":
         return confirm_quality(workload, plans, budget=budget, scale=budget.quality_scale, seeds=budget.quality_seeds,
                                band=spec.band, device=spec.device, process_group=process_group)
     raise EraseTuneError(f"confirmation task {spec.task!r} is not one of {', '.join(CONFIRM_TASKS)}")
+
+
+def run_reference(spec: ReferenceSpec, info: Callable[[], dict[str, Any]] = dict) -> ReferenceOutcome:
+    """Try the whole-step-graph reference; never raises for the workload's own failure."""
+
+    def work() -> str | None:
+        from erase_tune.trial import reference_capture_error
+        from erase_tune.workloads import get_workload
+
+        workload = get_workload(spec.workload, dict(spec.workload_args))
+        marks["ready"] = time.time()
+        return reference_capture_error(workload, spec.device, seed=spec.seed)
+
+    marks: dict[str, float] = {}
+    error, failure, worker = _run(work, marks, info)
+    return ReferenceOutcome(error=error, failure=failure, worker=worker)
 
 
 def _run(work: Callable[[], T], marks: dict[str, float],

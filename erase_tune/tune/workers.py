@@ -23,7 +23,16 @@ import time
 from typing import Any
 
 from erase_tune.tune.outcome import ConfirmOutcome, Failure, TrialOutcome, WorkerInfo
-from erase_tune.tune.worker import ConfirmSpec, TrialSpec, classify, run_confirm, run_spec
+from erase_tune.tune.worker import (
+    ConfirmSpec,
+    ReferenceOutcome,
+    ReferenceSpec,
+    TrialSpec,
+    classify,
+    run_confirm,
+    run_reference,
+    run_spec,
+)
 
 __all__ = ["TrialWorker", "WorkerGroup"]
 
@@ -61,6 +70,12 @@ class TrialWorker:
         from erase_tune.tune.distributed import run_confirm_rank
 
         return run_confirm_rank(spec, rank=rank, world=world, rendezvous=rendezvous, info=self._where)
+
+    def reference(self, spec: ReferenceSpec) -> ReferenceOutcome:
+        """The job's one try of the whole-step-graph reference (rank 0's GPU alone)."""
+        if self.failure is not None:
+            return ReferenceOutcome(failure=self.failure)
+        return run_reference(spec, info=self._where)
 
     def address(self) -> str:
         """This node's IP and a free port, for a distributed trial's rendezvous (rank 0)."""

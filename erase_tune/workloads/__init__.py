@@ -25,7 +25,7 @@ from erase_tune.workloads.base import Batch, Workload, WorkloadData
 
 __all__ = ["BUILTINS", "Batch", "Workload", "WorkloadData", "get_workload"]
 
-BUILTINS = ("ctr", "gpt", "mlp")
+BUILTINS = ("ctr", "gpt", "mlp", "dlrm")
 """Built-in workloads; each is ``erase_tune.workloads.<name>.workload``."""
 
 _MISSING = inspect.Parameter.empty

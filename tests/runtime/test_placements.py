@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 
 import pytest
 import torch
 
 from erase_tune import Cut, EraseEngine, ErasePlan, Placement
-from erase_tune.runtime.join import LazyJoin, _tensors, _written
+from erase_tune.runtime.join import LazyJoin, Pending, _tensors, _written
 from tests.runtime.models import Toy, loss_fn, toy_batch
 from tests.runtime.test_engine import engine_grads, reference_grads
 
@@ -34,7 +35,7 @@ def test_placements_only_train_bit_for_bit_like_a_plain_step(dispatch):
     for step in range(5):
         inputs, target = toy_batch(seed=step, dtype=torch.float64)
         for e in (plain, placed):
-            e._zero_grad()
+            e.zero_grad()
         a, b = plain.forward_backward(inputs, target), placed.forward_backward(inputs, target)
         assert torch.equal(a, b), step
         for (name, p), (_, q) in zip(plain.model.named_parameters(), placed.model.named_parameters()):
@@ -114,3 +115,76 @@ def test_the_lazy_join_bookkeeping_on_the_cpu():
     with join:
         x.add_(1)
     assert join.waits == 1
+
+
+# -- the fast way: only readers of pending outputs pay; writes found by version counters -------------
+
+
+def test_the_first_forward_is_guarded_and_a_clean_one_makes_the_join_fast():
+    join = LazyJoin(torch.device("cpu"))
+    assert join.guarded and not join.verified
+    x = torch.ones(4)
+    with join:
+        (y,) = join.add([x * 2], [x], done=None, stream=None)
+        _ = y + 1
+    join.clear()
+    assert join.verified and not join.guarded and join.hazards == 0
+    with join:  # fast: the output handed on is a Pending alias; reading it joins, once per stream
+        (y,) = join.add([x * 2], [x], done=None, stream=None)
+        assert isinstance(y, Pending)
+        a, b = y + 1, torch.cat([y, y])
+        assert type(a) is torch.Tensor and type(b) is torch.Tensor  # results are plain tensors
+        _ = y.shape, y.dtype  # metadata: no join
+    assert join.joins == 2 and torch.equal(a, torch.full((4,), 3.0)) and not join.guarded
+
+
+def test_a_guarded_forward_that_sees_a_write_to_a_side_input_stays_guarded():
+    join = LazyJoin(torch.device("cpu"))
+    x = torch.ones(4)
+    with join:
+        join.add([x * 2], [x], done=None, stream=None)
+        x.add_(1)
+    join.clear()
+    assert join.verified and join.guarded and join.hazards == 1
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_the_fast_way_switches_back_to_guarded_on_a_write_it_finds():
+    join = LazyJoin(torch.device("cpu"), guarded=False)
+    x = torch.ones(4)
+    seen = _Lines()
+    logger = logging.getLogger("erase_tune")  # the CLI may have turned propagation off in this process
+    logger.addHandler(seen)
+    try:
+        with join:
+            join.add([x * 2], [x], done=None, stream=None)
+            x.mul_(3)  # the fast way does not see this as it happens: the version counter does, at the end
+        join.clear()
+    finally:
+        logger.removeHandler(seen)
+    assert join.guarded and join.hazards == 1
+    assert any("checked op by op" in line for line in seen.lines)
+    # a side forward that writes its own input switches at once: later readers of it must wait
+    fast = LazyJoin(torch.device("cpu"), guarded=False)
+    with fast:
+        fast.add([x * 2], [x], done=None, stream=None, written=[x])
+        assert fast.guarded and fast._mode_on
+        _ = x + 1  # the mode sees this read of the written input
+    assert fast.joins >= 1 and not fast._mode_on
+
+
+def test_gradients_flow_through_a_pending_alias():
+    join = LazyJoin(torch.device("cpu"), guarded=False)
+    x = torch.ones(3, requires_grad=True)
+    with join:
+        (y,) = join.add([x * 2], [], done=None, stream=None)
+        (y * 3).sum().backward()
+    assert torch.equal(x.grad, torch.full((3,), 6.0))

@@ -181,3 +181,39 @@ def test_placements_beside_cuts_in_a_whole_step_graph_keep_the_reference_gradien
         torch.testing.assert_close(got[name], g, rtol=1e-4, atol=1e-5, msg=name)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     engine.close()
+
+
+class ManyOps(nn.Module):
+    """A placed tower beside a main path of many small torch calls (a host-bound forward)."""
+
+    def __init__(self, d: int = 32, calls: int = 200) -> None:
+        super().__init__()
+        self.tower = nn.Sequential(nn.Linear(8, d), nn.Tanh())
+        self.embed = nn.Linear(8, d)
+        self.over = nn.Linear(2 * d, 1)
+        self.calls = calls
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.tower(x)
+        h = self.embed(x)
+        for _ in range(self.calls):
+            h = h * 0.999
+        return self.over(torch.cat([h, t], dim=-1)).squeeze(-1)
+
+
+def test_after_the_first_step_no_op_of_the_forward_pays_for_the_join():
+    torch.manual_seed(0)
+    base = ManyOps().to(CUDA)
+    plan = ErasePlan(placements=(Placement(module="tower", stream=1),), num_streams=1)
+    plain = EraseEngine(copy.deepcopy(base), ErasePlan(), loss_fn=loss_fn, optimizer=adam)
+    placed = EraseEngine(copy.deepcopy(base), plan, loss_fn=loss_fn, optimizer=adam, example=toy_batch(n=64, device=CUDA))
+    join = placed._join
+    inputs, target = toy_batch(n=64, seed=0, device=CUDA)
+    torch.testing.assert_close(placed.step(inputs, target), plain.step(inputs, target))
+    first = join.ops_seen
+    assert first > 200 and not join.guarded  # the first step is guarded, and showed the fast way is safe
+    for step in range(1, 6):
+        inputs, target = toy_batch(n=64, seed=step, device=CUDA)
+        torch.testing.assert_close(placed.step(inputs, target), plain.step(inputs, target))
+    assert join.ops_seen == first  # the fast way: no op of the 200-call forward went through the mode
+    assert join.joins >= 6  # the tower's output was joined where it was read, every step

@@ -10,6 +10,7 @@ space's cuts, so it must never trip over the fault itself.
 - ``crash``: ``make_data`` kills its process with ``os._exit(3)`` (a segfault, an OOM kill, a
   lost node: an infrastructure failure, retried on a fresh worker).
 - ``nan``: every loss is NaN (the trial must fail, naming the loss).
+- ``raise``: ``make_data`` raises the same error in every trial (a workload broken for all plans).
 
 ``mode`` may also be a comma-separated script, e.g. ``ok,hang,crash,nan``: each trial
 (each ``make_data`` call, in whichever worker) claims the next ticket in the directory
@@ -33,7 +34,7 @@ import yaml
 
 from erase_tune.workloads import Workload, WorkloadData, ctr
 
-MODES = ("ok", "hang", "crash", "nan")
+MODES = ("ok", "hang", "crash", "nan", "raise")
 
 
 def _claim(tickets: Path, script: list[str]) -> str:
@@ -67,6 +68,8 @@ def workload(*, mode: str = "ok", tickets: str = "", **ctr_args: Any) -> Workloa
                 time.sleep(60)
         if state["mode"] == "crash":
             os._exit(3)
+        if state["mode"] == "raise":
+            raise RuntimeError("planted failure: the workload cannot build its data")
         return base.make_data(device)
 
     def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

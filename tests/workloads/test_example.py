@@ -28,6 +28,7 @@ SMALL = {
     "gpt": {"batch": 4, "seq_len": 32, "n_layer": 2, "n_head": 2, "n_embd": 32},
     "mlp": {"batch": 64, "depth": 4},
     "mlp-synthetic": {"batch": 64, "depth": 4, "dataset": "synthetic"},
+    "dlrm": {"batch": 32, "rows": 50, "emb_dim": 4, "num_tables": 5, "bot_mlp": "16-4", "top_mlp": "16-1"},
 }
 
 # The sizes GPU trials use; their full pools are gigabytes (ctr: over a million examples).
@@ -35,6 +36,7 @@ GPU = [
     ("ctr", {"batch": 2048, "num_tables": 26, "rows": 100_000, "emb_dim": 64, "width": 256, "train_batches": 512}),
     ("gpt", {"batch": 32, "seq_len": 1024, "n_layer": 12, "n_head": 6, "n_embd": 768, "train_batches": 512}),
     ("mlp", {"batch": 512, "width": 1024, "depth": 30, "train_batches": 512}),
+    ("dlrm", {"batch": 4096, "train_batches": 512}),  # the defaults are MLPerf's shape
 ]
 
 
@@ -49,6 +51,11 @@ def _check_values(name: str, wl: Workload, batch: Batch) -> None:
     if name == "ctr":
         _, sparse = inputs
         assert 0 <= int(sparse.min()) and int(sparse.max()) < wl.args["rows"]
+        assert set(target.unique().tolist()) <= {0.0, 1.0}
+    elif name == "dlrm":
+        _, offsets, ids = inputs
+        assert 0 <= int(ids.min()) and int(ids.max()) < wl.args["rows"]
+        assert torch.equal(offsets, torch.arange(len(target)).expand_as(offsets))
         assert set(target.unique().tolist()) <= {0.0, 1.0}
     elif name == "gpt":
         (idx,) = inputs

@@ -32,6 +32,8 @@ ABSURD = [
     ("gpt", {"batch": 2**20, "seq_len": 2**17}, r"batch=1048576 x seq_len=131072 x .* for the train/eval pools"),
     ("mlp", {"width": 2**16, "depth": 1024}, r"depth=1024, width=65536 needs about .* for the model"),
     ("mlp", {"batch": 2**20, "train_batches": 2**20}, r"for the train/eval pools"),
+    ("dlrm", {"rows": 10**12}, r"num_tables=26 x rows=1000000000000 x emb_dim=128 needs about 13 PB for the embedding"),
+    ("dlrm", {"top_mlp": "-".join(["65536"] * 63 + ["1"])}, r"top_mlp='65536-.*-1', .* for the MLPs"),
 ]  # fmt: skip
 
 # Every integer argument at its upper bound at once: the most a factory can be asked to size.
@@ -42,6 +44,9 @@ MAXIMA = [
              "train_batches": 2**20, "eval_batches": 2**20, "seed": 2**32 - 1}),
     ("mlp", {"batch": 2**20, "width": 2**16, "depth": 1024, "train_batches": 2**20, "eval_batches": 2**20,
              "seed": 2**32 - 1}),
+    ("dlrm", {"batch": 2**20, "rows": 2**40, "emb_dim": 2**14, "num_tables": 1024, "train_batches": 2**20,
+              "eval_batches": 2**20, "seed": 2**32 - 1, "bot_mlp": "-".join(["65536"] * 63 + ["16384"]),
+              "top_mlp": "-".join(["65536"] * 63 + ["1"])}),
 ]  # fmt: skip
 
 
@@ -89,6 +94,8 @@ BOUNDS = [
     ("gpt", "n_embd", 2**16), ("gpt", "train_batches", 2**20), ("gpt", "eval_batches", 2**20),
     ("mlp", "batch", 2**20), ("mlp", "width", 2**16), ("mlp", "depth", 1024), ("mlp", "train_batches", 2**20),
     ("mlp", "eval_batches", 2**20),
+    ("dlrm", "batch", 2**20), ("dlrm", "rows", 2**40), ("dlrm", "emb_dim", 2**14), ("dlrm", "num_tables", 1024),
+    ("dlrm", "train_batches", 2**20), ("dlrm", "eval_batches", 2**20),
 ]  # fmt: skip
 
 
