@@ -3,7 +3,8 @@ search's short NE gap ranks plans as the confirmed (longer, several seeds) one d
 
     python scripts/ne_evidence.py --out "$OUT" [--repeats 3] [--rank-plans 12] [--scale 4] [--seeds 2]
         [--spaces ctr,gpt-bf16,gpt-fp32,mlp,dlrm] [--steps-factor 1.0] [--rank-steps-factor 0.5]
-        [--time-limit 300] [--overrun 150] [--smoke]
+        [--time-limit 300] [--overrun 150] [--rank-arg train_batches=1700] [--smoke]
+    (or: OUT=out bash scripts/gpu_campaign.sh n)
 
 Part 1, the noise floor (erase_tune.noise.measure_noise_floor): for each shipped space, the
 baseline trained against itself for the space's trial training steps under perturbations that
@@ -41,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import optuna  # noqa: E402
+import yaml  # noqa: E402
 
 from erase_tune.noise import confirm_quality, exact_by_construction, feasible, measure_noise_floor  # noqa: E402
 from erase_tune.trial import Budget  # noqa: E402
@@ -109,7 +111,8 @@ def rank_agreement(ns: argparse.Namespace, record: dict[str, Any], out: Path, st
 
     file, overrides = SPACES[ns.rank_space]
     space = SearchSpace.load(ROOT / "search_spaces" / _file(file, ns.smoke))
-    space = dataclasses.replace(space, workload_args={**space.workload_args, **overrides})
+    extra = {k: yaml.safe_load(v) for k, _, v in (a.partition("=") for a in ns.rank_arg)}
+    space = dataclasses.replace(space, workload_args={**space.workload_args, **overrides, **extra})
     workload = get_workload(space.workload, space.workload_args)
     budget = _budget(space, ns.steps_factor * ns.rank_steps_factor)
     plans = {str(i): p for i, p in enumerate(pick_plans(space, ns.rank_plans))}
@@ -180,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="data orders per noise floor (default 3)")
     ap.add_argument("--rank-space", default="ctr", choices=sorted(SPACES))
     ap.add_argument("--rank-plans", type=int, default=12)
+    ap.add_argument("--rank-arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="workload argument for the rank agreement (e.g. train_batches=1700: the longer training "
+                         "reads each batch once; a second pass over-fits a CTR model)")
     ap.add_argument("--scale", type=int, default=4, help="confirmed training length / the trial's (default 4)")
     ap.add_argument("--seeds", type=int, default=2, help="data orders of the confirmation (default 2)")
     ap.add_argument("--steps-factor", type=float, default=1.0, help="scale every training length (default 1)")
