@@ -222,6 +222,8 @@ def export_plan(storage: str | None, study_name: str, out: str | Path, *, max_ne
         conf = confirmed.get(point.number)
         prov = _provenance(study, db, point, pick, budget, conf)
         prov.update(_quality_provenance(study, quality.get(point.number), budget, band))
+        if point.user_attrs.get(Attr.EXACT):  # its search NE gap (the objective) is 0; what was measured is noise
+            prov["search_ne_gap_measured"] = point.user_attrs.get("ne_gap")
         plan = dataclasses.replace(ErasePlan.from_dict(point.plan), provenance=prov)
         _write_atomic(target, plan.dumps())
         if job is not None:
