@@ -97,17 +97,50 @@ def cmd_trial(ns: argparse.Namespace) -> int:
     from erase_tune.tune.tables import trial_table
     from erase_tune.workloads import get_workload
 
+    _check_noise_flag(ns)
     plan = ErasePlan.load(ns.plan)
     workload = get_workload(ns.workload, _workload_args(ns.arg))
     try:  # the plan may not fit this model: name the file
         result = run_trial(workload, plan, _budget(ns), device=ns.device)
     except PlanError as e:
         raise PlanError(f"{ns.plan}: {e}") from None
+    floor = _noise_floor(ns, workload)
     if ns.json:
-        _emit_json(result.to_dict())
+        _emit_json({**result.to_dict(), "noise_floor": None if floor is None else floor.to_dict()})
     else:
         print(trial_table(result))
+        if floor is not None:
+            print(_noise_line(floor, result.ne_gap, plan))
     return 0
+
+
+def _check_noise_flag(ns: argparse.Namespace) -> None:
+    """``--noise-floor`` is refused before anything is trained, not after the trial."""
+    from erase_tune.trial import MAX_REPEATS
+
+    if not 0 <= ns.noise_floor <= MAX_REPEATS:
+        raise EraseTuneError(f"--noise-floor: {ns.noise_floor} must be in 0..{MAX_REPEATS} (0: not measured)")
+
+
+def _noise_floor(ns: argparse.Namespace, workload: Any) -> Any:
+    """``--noise-floor N``: the NE gap's noise floor at this budget (erase_tune.noise), or None."""
+    if not ns.noise_floor:
+        return None
+    from erase_tune.noise import measure_noise_floor
+
+    return measure_noise_floor(workload, _budget(ns), repeats=ns.noise_floor, device=ns.device)
+
+
+def _noise_line(floor: Any, ne_gap: float | None, plan: Any = None) -> str:
+    from erase_tune.noise import exact_by_construction
+
+    line = f"noise floor of the NE gap: {floor.describe()}"
+    if plan is not None and exact_by_construction(plan):
+        return line + f"\nthis plan has no cuts: exact by construction, its NE gap {ne_gap:+.3%} is noise"
+    if ne_gap is not None:
+        within = abs(ne_gap) <= floor.band
+        line += f"\nthis plan's NE gap {ne_gap:+.3%} is {'within' if within else 'beyond'} the noise"
+    return line
 
 
 def cmd_bench(ns: argparse.Namespace) -> int:
@@ -118,13 +151,15 @@ def cmd_bench(ns: argparse.Namespace) -> int:
         from erase_tune._files import check_output
 
         check_output(ns.trace, flag="--trace", directory=True)
+    _check_noise_flag(ns)
     workload = get_workload(ns.workload, _workload_args(ns.arg))
     cuts = [c for c in ns.cuts.split(",") if c] if ns.cuts else None
     only = [c.strip() for c in ns.only.split(",") if c.strip()] if ns.only else None
     result = run_bench(workload, budget=_budget(ns), device=ns.device, cuts=cuts, streams=ns.streams,
                        trace_dir=ns.trace, only=only)
     if ns.json:
-        _emit_json(result.to_dict())
+        floor = _noise_floor(ns, workload)
+        _emit_json({**result.to_dict(), **({"noise_floor": floor.to_dict()} if floor is not None else {})})
         return 0
     prov = result.provenance
     print(f"workload {result.workload} (batch {result.batch_size}) on {prov['device_name']}, "
@@ -134,6 +169,9 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     print(result.table())
     if result.host_table():
         print(f"\n{result.host_table()}")
+    floor = _noise_floor(ns, workload)
+    if floor is not None:
+        print(_noise_line(floor, None))
     return 0
 
 
@@ -144,7 +182,8 @@ def cmd_start(ns: argparse.Namespace) -> int:
     summary = start_job(ns.space, study_name=ns.study, trials=ns.trials, storage=ns.storage,
                         ray_address=ns.ray_address, slots=ns.slots, working_dir=ns.working_dir,
                         py_modules=ns.py_module, gpu_wait_s=ns.gpu_wait, grace_period_s=ns.grace_period,
-                        confirm_windows=0 if ns.no_confirm else ns.repeats,
+                        confirm_windows=0 if ns.no_confirm else ns.repeats, quality_scale=ns.quality_scale,
+                        quality_seeds=ns.quality_seeds,
                         on_progress=lambda p: log.info(progress_line(p)))
     flag = f" --storage {shlex.quote(summary.storage)}"
     if ns.json:
@@ -185,7 +224,8 @@ def cmd_export(ns: argparse.Namespace) -> int:
 
     factory = confirming_executor(ns.ray_address, ns.working_dir, ns.py_module)
     done = export_plan(ns.storage, ns.study, ns.output, max_ne_gap=ns.max_ne_gap, pick=ns.pick,
-                       windows=ns.repeats, force=ns.force, executor_factory=factory)
+                       windows=ns.repeats, force=ns.force, executor_factory=factory,
+                       quality_scale=ns.quality_scale, quality_seeds=ns.quality_seeds)
     p, c = done.point, done.confirmation
     if ns.json:
         _emit_json({"output": ns.output, "trial": p.number, "search_qps_gain": p.qps_gain, "ne_gap": p.ne_gap,
@@ -197,6 +237,14 @@ def cmd_export(ns: argparse.Namespace) -> int:
     if c is not None:
         print(f"confirmed gain {c.gain:+.2%} [95% interval {c.gain_lo:+.2%}, {c.gain_hi:+.2%}] over {c.windows} windows"
               + ("" if c.gain_lo > 0 else "  (NOT a confirmed gain: written because of --force)"))
+    q = done.plan.provenance
+    if "confirmed_ne_gap" in q:
+        print(f"confirmed NE gap {q['confirmed_ne_gap']:+.2%} [95% interval {q['confirmed_ne_gap_lo']:+.2%}, "
+              f"{q['confirmed_ne_gap_hi']:+.2%}] over {q['confirmed_ne_seeds']} seeds of {q['confirmed_ne_steps']} "
+              f"steps; noise floor ±{q['ne_noise_band']:.2%}" + ("  (no cuts: exact by construction)" if q.get("exact")
+                                                                else "" if q.get("quality_confirmed") else
+                                                                "  (ABOVE the NE budget beyond the noise: written "
+                                                                "because of --force)"))
     print(f"plan: {done.plan.describe()}")
     return 0
 

@@ -45,6 +45,9 @@ def _add_budget(p: argparse.ArgumentParser, quality: bool = True) -> None:
     if quality:
         p.add_argument("--quality-steps", type=int, default=0, help="extra training steps before NE (default 0)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--noise-floor", type=int, default=0, metavar="N",
+                   help="also measure the NE gap's noise floor: the baseline against itself over N other data orders "
+                        "(and the whole-step graph on CUDA); default 0: not measured")
 
 
 def trial_args(p: argparse.ArgumentParser) -> None:
@@ -84,6 +87,14 @@ def _ray(p: argparse.ArgumentParser) -> None:
                    help="package directory shipped to the Ray workers (runtime_env py_modules; repeatable)")
 
 
+def _quality(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quality-scale", type=int, metavar="N",
+                   help="quality confirmation trains finalists N times a trial's steps (default: the space's "
+                        "budget.quality_scale, 4 unless set; 0: no quality confirmation)")
+    p.add_argument("--quality-seeds", type=int, metavar="N",
+                   help="data orders of the quality confirmation (default: the space's budget.quality_seeds, 3)")
+
+
 def start_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--space", required=True, help="search space file (search_spaces/*.yaml)")
     p.add_argument("--study", help="study name (default: the space file's name); an existing study is resumed")
@@ -98,6 +109,7 @@ def start_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=5, metavar="K",
                    help="windows of the confirming re-measurement of the front at the end (default 5)")
     p.add_argument("--no-confirm", action="store_true", help="skip the confirmation at the end")
+    _quality(p)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
@@ -115,7 +127,9 @@ def export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pick", default="max-gain", choices=["max-gain", "knee"])
     p.add_argument("--repeats", type=int, default=5, metavar="K",
                    help="windows of the confirming re-measurement (default 5; an earlier one with >= K is reused)")
-    p.add_argument("--force", action="store_true", help="write the best plan even if no gain is confirmed")
+    p.add_argument("--force", action="store_true", help="write the best plan even if no gain (or no quality) is "
+                                                        "confirmed")
+    _quality(p)
     _ray(p)
     p.add_argument("-o", "--output", required=True, help="plan file to write")
     p.add_argument("--json", action="store_true")

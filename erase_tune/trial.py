@@ -39,16 +39,21 @@ from erase_tune.measure import provenance, qps_summary, ratio_spread, time_inter
 from erase_tune.measure.stats import gain
 from erase_tune.runtime import EraseEngine, ErasePlan
 from erase_tune.runtime.device import resolve_device
+from erase_tune.runtime.losscheck import check_loss
 from erase_tune.workloads import Workload, WorkloadData
 from erase_tune.workloads.limits import MAX_SEED
 
 __all__ = ["Budget", "VariantResult", "TrialResult", "TrialFailed", "run_trial", "build_engine", "Variant", "jsonable_args",
            "release", "reference_capture_error", "UNKNOWN", "BASELINE"]
+__all__ += ["check_workload_loss", "MAX_REPEATS"]
 
 GRAPH_WARMUP = 3
 """Eager steps an engine runs before capturing a CUDA graph (capture happens on the next)."""
 MAX_STEPS = 1_000_000
 """Largest step count of any budget field: a trial is minutes, not weeks."""
+MAX_REPEATS = 100
+"""Largest noise_repeats, quality_scale and quality_seeds."""
+_REPEATS = ("noise_repeats", "quality_scale", "quality_seeds")
 BASELINE = "baseline"
 """The variant every trial of a workload shares: a failure that names it fails every trial."""
 
@@ -86,11 +91,19 @@ class Budget:
     """Also time the whole-step-graph baseline (the honest competitor; CUDA only)."""
     detach_only: bool = True
     """Also time the candidate's detach-only twin (splits work removed from overlap gained)."""
+    # The three fields below are read by the service around the trials, never by a trial.
+    noise_repeats: int = 3
+    """Data orders the noise floor of the NE gap is measured over (erase_tune.noise; 0: none)."""
+    quality_scale: int = 4
+    """Quality confirmation trains finalists this many times a trial's training steps (0: none)."""
+    quality_seeds: int = 3
+    """Seeds (data orders) of the quality confirmation; its NE gap interval is over these."""
 
     def __post_init__(self) -> None:
-        for name in ("warmup_steps", "windows", "window_steps", "quality_steps", "seed"):
+        for name in ("warmup_steps", "windows", "window_steps", "quality_steps", "seed", "noise_repeats",
+                     "quality_scale", "quality_seeds"):
             value = getattr(self, name)
-            top = MAX_SEED if name == "seed" else MAX_STEPS
+            top = MAX_SEED if name == "seed" else MAX_REPEATS if name in _REPEATS else MAX_STEPS
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= top:
                 shown = "a huge integer" if isinstance(value, int) and abs(value) > 10**12 else repr(value)
                 raise EraseTuneError(f"budget.{name}: {shown} must be an integer in 0..{top}")
@@ -101,6 +114,9 @@ class Budget:
             )
         if self.windows < 1 or self.window_steps < 1:
             raise EraseTuneError("budget.windows and budget.window_steps must be >= 1")
+        if self.quality_scale and not self.quality_seeds:
+            raise EraseTuneError("budget.quality_seeds: must be >= 1 when budget.quality_scale is set (0 turns "
+                                 "quality confirmation off)")
 
     @property
     def training_steps(self) -> int:
@@ -263,6 +279,8 @@ def run_trial(
         for name, p in plans.items():
             variants[name] = Variant(plan=p, engine=build_engine(workload, p, init, data, device, process_group),
                                      data=data, rank=rank, world=world)
+            if name == "baseline":  # before any cut's aux head is sized: a bad loss is the loss's fault
+                check_workload_loss(workload, variants[name].engine.model, data)
         timings = time_interleaved(
             variants, device=device, warmup_steps=budget.warmup_steps,
             windows=budget.windows, window_steps=budget.window_steps,
@@ -316,6 +334,16 @@ def run_trial(
         ),
         reference_error=ref_error,
     )
+
+
+def check_workload_loss(workload: Workload, model: torch.nn.Module, data: WorkloadData) -> None:
+    """The workload's loss on ``model``'s output for the first training batch: a scalar, a mean
+    over the batch, and accepted (erase_tune.runtime.losscheck); one line naming the mistake."""
+    inputs, target = data.batch(0)
+    try:
+        check_loss(model, tuple(inputs), target, workload.loss_fn)
+    except EraseTuneError as e:
+        raise EraseTuneError(f"workload {workload.name}: {e}") from None
 
 
 def reference_capture_error(workload: Workload, device: str | torch.device | None = None, *,

@@ -15,7 +15,9 @@
 #   g   the same at batch 2048 with 20 trials (study ctr-2048-g), to see the default sampler of
 #       2026-12-02 (moves with a known effect first) on real measurements;
 #   f   the same at batch 32768 (smaller data pools to fit host memory), 8 trials, seeded with the
-#       plans d and e exported (docs/results/h200-2026-12-01/best_ctr*_graph.yaml).
+#       plans d and e exported (docs/results/h200-2026-12-01/best_ctr*_graph.yaml);
+#   n   the NE gap's evidence (scripts/ne_evidence.py): the noise floor of every shipped space (gpt
+#       in bf16 and float32) and the rank agreement of search and confirmed NE gaps over 12 plans.
 # On two H200s (nvidia-h200-x2):
 #   a   GPU0: replay table shard 0, bench at batch 2048 and 8192 (placement beside ERASE), the
 #             deep-MLP backward/step times, the GPU tests;  GPU1: replay table shard 1, the
@@ -128,6 +130,9 @@ case $phase in
     step tune_ctr32768 430 0 $py -m erase_tune start --space "$work/ctr-32768.yaml" --study ctr-32768 --storage "$db"
     step status_ctr32768 15 0 $py -m erase_tune status --study ctr-32768 --storage "$db"
     step export_ctr32768 90 0 $py -m erase_tune export --study ctr-32768 --storage "$db" -o "$work/best_32768.yaml" --json
+    ;;
+  n)
+    step ne_evidence 480 0 $py scripts/ne_evidence.py --out "$work" --rank-arg train_batches=1700
     ;;
   c)
     step ddp_table1 240 0,1 $py scripts/ddp_table1.py --out "$work/ddp_table1.json"

@@ -75,6 +75,7 @@ def test_library_does_not_import_the_service_stack():
     code = (
         "import sys\n"
         "import erase_tune, erase_tune.runtime, erase_tune.workloads, erase_tune.measure, erase_tune.trial, erase_tune.bench\n"
+        "import erase_tune.confirm, erase_tune.noise, erase_tune.runtime.losscheck\n"
         "bad = sorted(m for m in ('optuna', 'ray', 'sqlalchemy', 'alembic') if m in sys.modules)\n"
         "print(','.join(bad))\n"
     )

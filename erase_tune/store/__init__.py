@@ -1,4 +1,4 @@
-"""erase-tune's own tables (jobs, trial outcomes, baseline cache, confirmations, exports), beside
+"""erase-tune's own tables (jobs, trial outcomes, baseline cache, confirmations, noise floors, exports), beside
 Optuna's, and the one opener that gives both from one storage URL.
 
 One SQLAlchemy URL names the storage: ``sqlite:///erase-tune.db`` by default, PostgreSQL for
@@ -29,6 +29,8 @@ from erase_tune.store.values import (
     Export,
     Job,
     JobStatus,
+    QualityConfirmation,
+    StoredNoiseFloor,
     StoredOutcome,
     baseline_key,
 )
@@ -38,6 +40,8 @@ __all__ = [
     "Job",
     "StoredOutcome",
     "Confirmation",
+    "QualityConfirmation",
+    "StoredNoiseFloor",
     "BaselineEntry",
     "Export",
     "JobStatus",

@@ -1,5 +1,5 @@
-"""ORM tables for erase-tune's own data (jobs, trial outcomes, baseline cache, confirmations,
-exports).
+"""ORM tables for erase-tune's own data (jobs, trial outcomes, baseline cache, confirmations of
+speed and of quality, noise floors, exports).
 
 These tables live in the same database as Optuna's, so every name carries the ``et_`` prefix
 and Alembic is told (``include_name``/``include_object`` below) to look at nothing else:
@@ -46,6 +46,8 @@ __all__ = [
     "ConfirmationRow",
     "BaselineRow",
     "ExportRow",
+    "NoiseFloorRow",
+    "QualityConfirmationRow",
     "include_name",
     "include_object",
 ]
@@ -173,6 +175,43 @@ class ConfirmationRow(Base):
     gain_lo: Mapped[float] = mapped_column(Float)
     gain_hi: Mapped[float] = mapped_column(Float)
     samples: Mapped[dict[str, Any]]
+    provenance: Mapped[dict[str, Any]]
+    created_at: Mapped[dt.datetime]
+
+
+class NoiseFloorRow(Base):
+    """The noise floor of a job's NE gap (erase_tune.noise), measured once before its trials."""
+
+    __tablename__ = "et_noise_floors"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("et_jobs.id", ondelete="CASCADE"), index=True)
+    band: Mapped[float] = mapped_column(Float)
+    ne_reference: Mapped[float] = mapped_column(Float)
+    training_steps: Mapped[int] = mapped_column(Integer)
+    repeats: Mapped[int] = mapped_column(Integer)
+    # {"gaps": [...], "kinds": [...]}: each perturbation's NE gap and what it was.
+    gaps: Mapped[dict[str, Any]]
+    provenance: Mapped[dict[str, Any]]
+    created_at: Mapped[dt.datetime]
+
+
+class QualityConfirmationRow(Base):
+    """A front plan trained longer over several seeds before export: its NE gap with an interval."""
+
+    __tablename__ = "et_quality_confirmations"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("et_jobs.id", ondelete="CASCADE"), index=True)
+    trial_number: Mapped[int] = mapped_column(Integer)
+    plan_yaml: Mapped[str] = mapped_column(Text)
+    steps: Mapped[int] = mapped_column(Integer)
+    seeds: Mapped[int] = mapped_column(Integer)
+    ne_gap: Mapped[float] = mapped_column(Float)
+    ne_gap_lo: Mapped[float] = mapped_column(Float)
+    ne_gap_hi: Mapped[float] = mapped_column(Float)
+    # {"per_seed": [...], "exact": bool, "band": float}: exact plans are not trained.
+    detail: Mapped[dict[str, Any]]
     provenance: Mapped[dict[str, Any]]
     created_at: Mapped[dt.datetime]
 

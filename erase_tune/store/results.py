@@ -22,6 +22,8 @@ from erase_tune.store.models import (
     BaselineRow,
     ConfirmationRow,
     ExportRow,
+    NoiseFloorRow,
+    QualityConfirmationRow,
     TrialOutcomeRow,
 )
 from erase_tune.store.values import (
@@ -29,6 +31,8 @@ from erase_tune.store.values import (
     Confirmation,
     Export,
     Job,
+    QualityConfirmation,
+    StoredNoiseFloor,
     StoredOutcome,
     json_safe,
     utc_now,
@@ -127,6 +131,49 @@ class Results:
         with self._session() as s:
             return [_confirmation(r) for r in s.scalars(stmt)]
 
+    # -- noise floor and quality ----------------------------------------------------------
+
+    def record_noise_floor(self, job: Job, floor: Mapping[str, Any]) -> StoredNoiseFloor:
+        """Keep a job's noise floor (``erase_tune.noise.NoiseFloor.to_dict()``)."""
+        row = NoiseFloorRow(job_id=job.id, band=float(floor["band"]), ne_reference=float(floor["ne_reference"]),
+                            training_steps=int(floor["training_steps"]), repeats=int(floor["repeats"]),
+                            gaps=json_safe({"gaps": list(floor["gaps"]), "kinds": list(floor["kinds"])}, where="gaps"),
+                            provenance=json_safe(dict(floor.get("provenance") or {}), where="provenance"),
+                            created_at=utc_now())
+        with self._session() as s:
+            s.add(row)
+            s.flush()
+            return _noise_floor(row)
+
+    def noise_floor(self, job: Job) -> StoredNoiseFloor | None:
+        """The job's latest noise floor, if measured."""
+        stmt = (select(NoiseFloorRow).where(NoiseFloorRow.job_id == job.id)
+                .order_by(NoiseFloorRow.created_at.desc(), NoiseFloorRow.id.desc()).limit(1))
+        with self._session() as s:
+            row = s.scalars(stmt).one_or_none()
+            return None if row is None else _noise_floor(row)
+
+    def record_quality(self, job: Job, trial_number: int, *, plan_yaml: str, steps: int, seeds: int, ne_gap: float,
+                       ne_gap_lo: float, ne_gap_hi: float, per_seed: Sequence[float], exact: bool, band: float,
+                       provenance: Mapping[str, Any]) -> QualityConfirmation:
+        """Keep a quality confirmation of trial ``trial_number``'s plan."""
+        row = QualityConfirmationRow(
+            job_id=job.id, trial_number=trial_number, plan_yaml=plan_yaml, steps=steps, seeds=seeds, ne_gap=ne_gap,
+            ne_gap_lo=ne_gap_lo, ne_gap_hi=ne_gap_hi,
+            detail=json_safe({"per_seed": list(per_seed), "exact": bool(exact), "band": float(band)}, where="detail"),
+            provenance=json_safe(dict(provenance), where="provenance"), created_at=utc_now())
+        with self._session() as s:
+            s.add(row)
+            s.flush()
+            return _quality(row)
+
+    def quality_confirmations(self, job: Job) -> list[QualityConfirmation]:
+        """The job's quality confirmations, oldest first."""
+        stmt = (select(QualityConfirmationRow).where(QualityConfirmationRow.job_id == job.id)
+                .order_by(QualityConfirmationRow.created_at, QualityConfirmationRow.id))
+        with self._session() as s:
+            return [_quality(r) for r in s.scalars(stmt)]
+
     # -- baseline cache ------------------------------------------------------------------
 
     def get_baseline(self, key: str) -> BaselineEntry | None:
@@ -186,6 +233,24 @@ def _confirmation(r: ConfirmationRow) -> Confirmation:
         job_id=r.job_id, trial_number=r.trial_number, plan_yaml=r.plan_yaml, gain_over=r.gain_over,
         windows=r.windows, gain=r.gain, gain_lo=r.gain_lo, gain_hi=r.gain_hi, samples=dict(r.samples),
         provenance=dict(r.provenance), created_at=r.created_at,
+    )
+
+
+def _noise_floor(r: NoiseFloorRow) -> StoredNoiseFloor:
+    return StoredNoiseFloor(
+        job_id=r.job_id, band=r.band, ne_reference=r.ne_reference, training_steps=r.training_steps,
+        repeats=r.repeats, gaps=tuple(r.gaps.get("gaps") or ()), kinds=tuple(r.gaps.get("kinds") or ()),
+        provenance=dict(r.provenance), created_at=r.created_at,
+    )
+
+
+def _quality(r: QualityConfirmationRow) -> QualityConfirmation:
+    d = dict(r.detail)
+    return QualityConfirmation(
+        job_id=r.job_id, trial_number=r.trial_number, plan_yaml=r.plan_yaml, steps=r.steps, seeds=r.seeds,
+        ne_gap=r.ne_gap, ne_gap_lo=r.ne_gap_lo, ne_gap_hi=r.ne_gap_hi, per_seed=tuple(d.get("per_seed") or ()),
+        exact=bool(d.get("exact")), band=float(d.get("band") or 0.0), provenance=dict(r.provenance),
+        created_at=r.created_at,
     )
 
 

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 __all__ = ["JobStatus", "OutcomeStatus", "FailureKind", "Job", "StoredOutcome", "Confirmation", "BaselineEntry",
+           "StoredNoiseFloor", "QualityConfirmation",
            "Export", "baseline_key", "json_safe", "utc_now"]
 
 JobStatus = Literal["running", "finished", "failed", "interrupted"]
@@ -91,6 +92,50 @@ class Confirmation:
     gain_hi: float
     """The gain's 95% interval over windows."""
     samples: dict[str, Any]
+    provenance: dict[str, Any]
+    created_at: dt.datetime
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StoredNoiseFloor:
+    """The noise floor of a job's NE gap (see :mod:`erase_tune.noise`)."""
+
+    job_id: int
+    band: float
+    """Largest |NE gap| of the baseline against itself under perturbations that cannot matter."""
+    ne_reference: float
+    training_steps: int
+    repeats: int
+    gaps: tuple[float, ...]
+    kinds: tuple[str, ...]
+    provenance: dict[str, Any]
+    created_at: dt.datetime
+
+    def to_dict(self) -> dict[str, Any]:
+        """The form :meth:`erase_tune.noise.NoiseFloor.from_dict` reads."""
+        return {"band": self.band, "gaps": list(self.gaps), "kinds": list(self.kinds),
+                "ne_reference": self.ne_reference, "training_steps": self.training_steps, "repeats": self.repeats,
+                "provenance": dict(self.provenance)}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QualityConfirmation:
+    """A front plan trained longer over several seeds: its NE gap with a 95% interval."""
+
+    job_id: int
+    trial_number: int
+    plan_yaml: str
+    steps: int
+    """Training steps of each run (a multiple of a trial's)."""
+    seeds: int
+    ne_gap: float
+    ne_gap_lo: float
+    ne_gap_hi: float
+    per_seed: tuple[float, ...]
+    exact: bool
+    """Exact by construction (no cuts): not trained, its gap is noise."""
+    band: float
+    """The job's noise floor when this was made."""
     provenance: dict[str, Any]
     created_at: dt.datetime
 

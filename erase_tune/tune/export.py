@@ -7,6 +7,12 @@ among the plans whose confirmed gain interval lies above 0 — the largest confi
 (``max-gain``) or the knee of the front (``knee``) — and writes it atomically, with both
 the search measurement and the confirmation in its provenance. If no plan shows a gain, it
 says so and exits non-zero (``--force`` writes the best one anyway, marked unconfirmed).
+
+Quality is confirmed too (where the space's ``budget.quality_scale`` is not 0): the same front
+plans are trained ``quality_scale`` times longer over ``quality_seeds`` seeds against the
+baseline trained the same way (erase_tune.noise.confirm_quality). A plan whose confirmed NE gap
+is above the budget beyond the study's noise floor is not exported (same rule and ``--force``);
+the file records the search NE gap, the noise floor and the confirmed NE gap with its interval.
 """
 
 from __future__ import annotations
@@ -21,13 +27,14 @@ import optuna
 from erase_tune._files import check_output, write_atomic
 from erase_tune.errors import EraseTuneError, one_line, shown
 from erase_tune.runtime import ErasePlan
-from erase_tune.store import Confirmation, default_storage_url
+from erase_tune.store import Confirmation, QualityConfirmation, default_storage_url
 from erase_tune.store.storage import Storage, open_storage
-from erase_tune.tune.study import Attr, FrontPoint, pareto_front
+from erase_tune.tune.space import SearchSpace
+from erase_tune.tune.study import Attr, FrontPoint, noise_band, pareto_front
 from erase_tune.tune.worker import ConfirmSpec
 
-__all__ = ["PICKS", "NoConfirmedGain", "Exported", "confirm_front", "export_plan", "pick_point", "load_study",
-           "storage_files"]
+__all__ = ["PICKS", "NoConfirmedGain", "Exported", "confirm_front", "confirm_quality_front", "export_plan",
+           "pick_point", "load_study", "quality_refused", "storage_files", "with_quality"]
 
 PICKS = ("max-gain", "knee")
 MAX_CONFIRMED = 5
@@ -86,6 +93,52 @@ def confirm_front(db: Storage, study: optuna.Study, space_like: Any, executor: A
     return out
 
 
+def with_quality(space: Any, scale: int | None, seeds: int | None) -> Any:
+    """``space`` with its budget's quality confirmation overridden (``--quality-scale``,
+    ``--quality-seeds``; None keeps the space's)."""
+    changes = {k: v for k, v in (("quality_scale", scale), ("quality_seeds", seeds)) if v is not None}
+    if not changes:
+        return space
+    return dataclasses.replace(space, budget=dataclasses.replace(space.budget, **changes))
+
+
+def confirm_quality_front(db: Storage, study: optuna.Study, space_like: Any, executor: Any,
+                          front: list[FrontPoint]) -> dict[int, QualityConfirmation]:
+    """Train the first ``MAX_CONFIRMED`` of ``front`` (the plans that could be exported: their
+    gain is confirmed) longer over several seeds (erase_tune.noise.confirm_quality, the space's
+    ``budget.quality_scale`` and ``quality_seeds``) and store the NE gaps with their intervals;
+    nothing when the space turns quality confirmation off. Plans with no cuts are not trained."""
+    budget = space_like.budget
+    if not getattr(budget, "quality_scale", 0) or not front:
+        return {}
+    job = db.store.get_job(study.study_name)
+    points = front[:MAX_CONFIRMED]
+    wl = study.user_attrs[Attr.WORKLOAD]
+    band = noise_band(study)
+    spec = ConfirmSpec(workload=wl["name"], workload_args=wl["args"], plans={str(p.number): p.plan for p in points},
+                       budget=dataclasses.asdict(budget), windows=0,
+                       gain_over=study.user_attrs.get(Attr.GAIN_OVER, "eager"), task="quality", band=band)
+    runs = (len(points) + 1) * budget.quality_seeds * budget.quality_scale
+    outcome = executor.confirm(spec, timeout=float(space_like.timeout_s) * max(2, runs))
+    if outcome.result is None:
+        raise EraseTuneError(f"quality confirmation of the front failed: {outcome.failure.reason}")
+    res = outcome.result
+    out = {}
+    for p in points:
+        c = res.plans[str(p.number)]
+        if job is not None:
+            out[p.number] = db.store.record_quality(
+                job, p.number, plan_yaml=ErasePlan.from_dict(p.plan).dumps(), steps=res.steps,
+                seeds=len(res.seeds), ne_gap=c.ne_gap, ne_gap_lo=c.lo, ne_gap_hi=c.hi, per_seed=c.per_seed,
+                exact=c.exact, band=band, provenance={**res.provenance, "ne_baseline": list(res.ne_baseline)})
+    return out
+
+
+def quality_refused(q: QualityConfirmation | None, max_ne_gap: float, band: float) -> bool:
+    """A confirmed NE gap above the budget beyond the noise: the plan is not exported."""
+    return q is not None and not q.exact and q.ne_gap > max_ne_gap + band
+
+
 def pick_point(front: list[FrontPoint], pick: str, gains: dict[int, float] | None = None) -> FrontPoint:
     """``max-gain``: the largest (confirmed, where given) gain; ``knee``: the front point
     farthest from the chord between its extremes, in normalised units."""
@@ -108,7 +161,8 @@ def pick_point(front: list[FrontPoint], pick: str, gains: dict[int, float] | Non
 
 def export_plan(storage: str | None, study_name: str, out: str | Path, *, max_ne_gap: float | None = None,
                 pick: str = "max-gain", windows: int = 5, force: bool = False,
-                executor_factory: Any = None) -> Exported:
+                executor_factory: Any = None, quality_scale: int | None = None,
+                quality_seeds: int | None = None) -> Exported:
     """Confirm the front (where not yet confirmed) and write the chosen plan to ``out``."""
     if pick not in PICKS:
         raise EraseTuneError(f"--pick: {pick!r} is not one of {', '.join(PICKS)}")
@@ -134,6 +188,27 @@ def export_plan(storage: str | None, study_name: str, out: str | Path, *, max_ne
             done = _latest(db.store.confirmations(job), windows)
         confirmed = {n: c for n, c in done.items() if any(p.number == n for p in front)}
         showing = [p for p in front if p.number in confirmed and confirmed[p.number].gain_lo > 0]
+        quality = _latest_quality(db.store.quality_confirmations(job)) if job else {}
+        space = _stored_space(job)
+        space = None if space is None else with_quality(space, quality_scale, quality_seeds)
+        missing = [p for p in showing if p.number not in quality]
+        if space is not None and space.budget.quality_scale and missing:
+            if executor_factory is None:
+                raise EraseTuneError("the front's quality is not confirmed yet and no executor was given to confirm it")
+            with executor_factory(job) as (executor, space_like):
+                confirm_quality_front(db, study, with_quality(space_like, quality_scale, quality_seeds), executor,
+                                      missing)
+            quality = _latest_quality(db.store.quality_confirmations(job))
+        band = noise_band(study)
+        too_costly = [p for p in showing if quality_refused(quality.get(p.number), budget, band)]
+        showing = [p for p in showing if p not in too_costly]
+        if too_costly and not showing and not force:
+            q = quality[too_costly[0].number]
+            raise NoConfirmedGain(f"no plan on the front keeps its NE gap once trained longer: the best, trial "
+                                  f"{too_costly[0].number}, confirmed at NE gap {q.ne_gap:+.2%} [{q.ne_gap_lo:+.2%}, "
+                                  f"{q.ne_gap_hi:+.2%}] over {q.seeds} seeds of {q.steps} steps, above the budget "
+                                  f"{budget:.2%} beyond the noise (±{band:.2%}); nothing written (--force writes it "
+                                  "anyway, marked unconfirmed)")
         if not showing and not force:
             best = max(front, key=lambda p: confirmed[p.number].gain if p.number in confirmed else p.qps_gain)
             c = confirmed.get(best.number)
@@ -145,8 +220,11 @@ def export_plan(storage: str | None, study_name: str, out: str | Path, *, max_ne
                                   "baseline; nothing written (--force writes it anyway, marked unconfirmed)")
         point = pick_point(showing or front, pick, {n: c.gain for n, c in confirmed.items()})
         conf = confirmed.get(point.number)
-        plan = dataclasses.replace(ErasePlan.from_dict(point.plan),
-                                   provenance=_provenance(study, db, point, pick, budget, conf))
+        prov = _provenance(study, db, point, pick, budget, conf)
+        prov.update(_quality_provenance(study, quality.get(point.number), budget, band))
+        if point.user_attrs.get(Attr.EXACT):  # its search NE gap (the objective) is 0; what was measured is noise
+            prov["search_ne_gap_measured"] = point.user_attrs.get("ne_gap")
+        plan = dataclasses.replace(ErasePlan.from_dict(point.plan), provenance=prov)
         _write_atomic(target, plan.dumps(), storage)
         if job is not None:
             db.store.record_export(job, point.number, str(target.resolve()), plan.dumps())
@@ -161,6 +239,39 @@ def _latest(confirmations: list[Confirmation], windows: int) -> dict[int, Confir
     for c in confirmations:
         if c.windows >= windows:
             out[c.trial_number] = c
+    return out
+
+
+def _latest_quality(rows: list[QualityConfirmation]) -> dict[int, QualityConfirmation]:
+    """The newest quality confirmation of each trial."""
+    return {q.trial_number: q for q in rows}
+
+
+def _stored_space(job: Any) -> SearchSpace | None:
+    """The job's space as it was stored (its budget says whether quality is confirmed)."""
+    if job is None:
+        return None
+    try:
+        return SearchSpace.loads(job.space_yaml, source=job.space_path, base=Path(job.space_path).parent)
+    except EraseTuneError:  # a space this erase-tune no longer reads: nothing to confirm by
+        return None
+
+
+def _quality_provenance(study: optuna.Study, q: QualityConfirmation | None, budget: float,
+                        band: float) -> dict[str, Any]:
+    """What the exported file records of quality: the noise floor and the confirmed NE gap."""
+    out: dict[str, Any] = {"ne_noise_band": band}
+    floor = study.user_attrs.get(Attr.NOISE_FLOOR)
+    if isinstance(floor, dict):
+        out["ne_noise_steps"] = floor.get("training_steps")
+        out["ne_noise_kinds"] = ",".join(floor.get("kinds") or [])
+    if q is not None:
+        out.update({"confirmed_ne_gap": q.ne_gap, "confirmed_ne_gap_lo": q.ne_gap_lo,
+                    "confirmed_ne_gap_hi": q.ne_gap_hi, "confirmed_ne_seeds": q.seeds,
+                    "confirmed_ne_steps": q.steps, "exact": q.exact,
+                    "quality_confirmed": not quality_refused(q, budget, band)})
+    else:
+        out["quality_confirmed"] = False
     return out
 
 

@@ -106,10 +106,12 @@ def _labels(ax, items: Sequence[tuple[float, float, str]], *, color: str, offset
 
 
 def pareto_figure(records: Sequence[TrialRecord], front: Sequence[TrialRecord], *, max_ne_gap: float,
-                  gain_over: str) -> bytes:
+                  gain_over: str, noise_band: float = 0.0) -> bytes:
     """QPS gain (x) against NE gap (y) of every measured trial: feasible ones filled, infeasible
     ones hollow grey, the front within the budget in red over the area it dominates, the budget
     as a dashed line, the baseline at (0, 0), the paper's configuration as a star, seeds named.
+    The noise floor of the NE gap (``noise_band``, erase_tune.noise) is a blue band ±band about 0
+    and a dotted line at budget + band, where infeasibility begins.
 
     Two panels share the gain axis: all trials, then the band within the budget. Infeasible
     plans often lose several times the budget in NE, which would squash the band where the
@@ -131,6 +133,11 @@ def pareto_figure(records: Sequence[TrialRecord], front: Sequence[TrialRecord], 
         ax.axhspan(max_ne_gap, max(y_hi, max_ne_gap), color="#eeeeee", zorder=0)  # over the budget
         ax.axhline(max_ne_gap, color=_BUDGET, linestyle="--", linewidth=1,
                    label=f"NE budget: ne_gap \u2264 {max_ne_gap:.2%}" if legend else None)
+        if noise_band > 0:
+            ax.axhspan(-noise_band, noise_band, color="#cfe3f7", alpha=0.6, zorder=0,
+                       label=f"noise floor of the NE gap: \u00b1{noise_band:.2%}" if legend else None)
+            ax.axhline(max_ne_gap + noise_band, color=_BUDGET, linestyle=":", linewidth=1,
+                       label=f"budget + noise: {max_ne_gap + noise_band:.2%}" if legend else None)
         ax.scatter([r.qps_gain for r in feas], [r.ne_gap for r in feas], s=28, color=_FEASIBLE, zorder=3,
                    label="within the budget" if legend else None)
         ax.scatter([r.qps_gain for r in infeas], [r.ne_gap for r in infeas], s=28, facecolors="none",
@@ -156,13 +163,14 @@ def pareto_figure(records: Sequence[TrialRecord], front: Sequence[TrialRecord], 
 
     def draw(fig: Figure) -> None:
         top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[2, 3])
-        gaps = [r.ne_gap for r in measured] + [0.0, max_ne_gap]
+        gaps = [r.ne_gap for r in measured] + [0.0, max_ne_gap + noise_band, -noise_band]
         span = (max(gaps) - min(gaps)) or max(abs(max_ne_gap), 0.01)
         panel(top, min(gaps) - 0.06 * span, max(gaps) + 0.1 * span, legend=True)
         top.set_title("all measured plans", fontsize=9, loc="left")
-        within = [r.ne_gap for r in measured if r.feasible] + [0.0, max_ne_gap]
-        band = (max_ne_gap - min(within)) or max(abs(max_ne_gap), 0.01)
-        panel(bottom, min(within) - 0.08 * band, max_ne_gap + 0.12 * band, legend=False)
+        within = [r.ne_gap for r in measured if r.feasible] + [0.0, max_ne_gap, -noise_band]
+        top_gap = max_ne_gap + noise_band
+        band = (top_gap - min(within)) or max(abs(max_ne_gap), 0.01)
+        panel(bottom, min(within) - 0.08 * band, top_gap + 0.12 * band, legend=False)
         bottom.set_title("within the NE budget (zoomed)", fontsize=9, loc="left")
         bottom.set_xlabel(f"qps_gain: p90 QPS gain over the {gain_over} baseline (maximize)")
         if not measured:

@@ -150,6 +150,18 @@ p.what { color: #444; max-width: 60em; } code { background: #f4f4f4; padding: 0 
 """
 
 
+def _noise_text(facts: StudyFacts) -> str:
+    """The noise floor in words: the band, what it came from, and what it changes."""
+    floor = facts.noise_floor
+    if not floor:
+        return "not measured (feasibility is the budget alone)"
+    gaps = ", ".join(f"{k} {_pct(g)}" for k, g in zip(floor.get("kinds") or [], floor.get("gaps") or []))
+    return (f"\u00b1{_pct(facts.noise_band, False)}: the baseline trained against itself for "
+            f"{floor.get('training_steps')} steps ({gaps}); a plan is over the budget only beyond "
+            f"{_pct(facts.max_ne_gap + facts.noise_band, False)}, and a plan with no cuts (exact by construction) "
+            "never is: its NE gap is noise")
+
+
 def _page(facts: StudyFacts, records: Sequence[TrialRecord], front: Sequence[TrialRecord], history: Sequence[float],
           importance: Importance, pngs: dict[str, bytes]) -> str:
     e = html.escape
@@ -173,6 +185,7 @@ def _page(facts: StudyFacts, records: Sequence[TrialRecord], front: Sequence[Tri
         _table(["fact", "value"], [
             ["workload", workload_text],
             ["NE budget (max_ne_gap)", _pct(budget, False)],
+            ["noise floor of the NE gap", _noise_text(facts)],
             ["qps_gain is over", f"the {over} baseline"],
             ["trials by state", counts],
             ["measured plans", f"{facts.measured} ({facts.feasible} within the NE budget)"],
@@ -250,7 +263,8 @@ def write_report(study: optuna.Study, out_dir: str | Path) -> ReportFiles:
     importance = param_importance(study, records)
 
     pngs = {
-        "pareto_front": figures.pareto_figure(records, front, max_ne_gap=facts.max_ne_gap, gain_over=facts.gain_over),
+        "pareto_front": figures.pareto_figure(records, front, max_ne_gap=facts.max_ne_gap, gain_over=facts.gain_over,
+                                              noise_band=facts.noise_band),
         "hypervolume": figures.hypervolume_figure([r.number for r in records], history, max_ne_gap=facts.max_ne_gap),
         "qps_spread": figures.spread_figure(records),
     }

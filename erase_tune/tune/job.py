@@ -3,7 +3,9 @@
 Set-up order is chosen so that a mistake costs nothing: the space file and the workload
 are checked first (one probe forward on the CPU, before any trial runs), then Ray is
 started or joined (an unreachable cluster leaves the storage untouched), then the storage
-is opened and the study created or resumed under the study's lock. A resumed job replays
+is opened and the study created or resumed under the study's lock. Before the first trial
+the noise floor of the NE gap is measured on a trial slot (erase_tune.noise; once per study:
+a resumed job reuses the stored one), so feasibility accounts for it from the first trial. A resumed job replays
 the local journal of outcomes a previous driver measured but could not store.
 
 On GPU slots the whole-step CUDA-graph reference is tried once per job, on a worker, before the
@@ -37,14 +39,14 @@ from erase_tune.store.engine import parse_url
 from erase_tune.store.storage import open_storage
 from erase_tune.tune.checks import CheckedSpace, check_space
 from erase_tune.tune.executor import RayExecutor, runtime_env
-from erase_tune.tune.export import confirm_front
+from erase_tune.tune.export import confirm_front, confirm_quality_front, with_quality
 from erase_tune.tune.journal import Journal
 from erase_tune.tune.loop import HEARTBEAT_S, Loop, Progress
 from erase_tune.tune.record import Recorder
 from erase_tune.tune.space import SearchSpace, plan_key
 from erase_tune.tune.space_file import MAX_TRIALS
-from erase_tune.tune.study import Attr, FrontPoint, make_sampler, open_study, pareto_front
-from erase_tune.tune.worker import ReferenceSpec
+from erase_tune.tune.study import Attr, FrontPoint, make_sampler, noise_band, open_study, pareto_front
+from erase_tune.tune.worker import ConfirmSpec, ReferenceSpec
 from erase_tune.workloads import module_of
 
 __all__ = ["JobSummary", "start_job", "JobFailed"]
@@ -75,6 +77,10 @@ class JobSummary:
     confirmed: dict[int, tuple[float, float, float]]
     """Trial number → (gain, lo, hi) of the confirmation made at the end."""
     overhead: dict[str, float]
+    quality: dict[int, tuple[float, float, float]] = dataclasses.field(default_factory=dict)
+    """Trial number → (NE gap, lo, hi) of the quality confirmation made at the end."""
+    noise_band: float = 0.0
+    """The study's noise floor band of the NE gap."""
 
 
 def start_job(
@@ -91,9 +97,12 @@ def start_job(
     grace_period_s: int = 60,
     confirm_windows: int = 5,
     on_progress: Callable[[Progress], None] = lambda p: None,
+    quality_scale: int | None = None,
+    quality_seeds: int | None = None,
 ) -> JobSummary:
-    """Run (or resume) a tuning job; see the module docstring."""
-    space = SearchSpace.load(space_path)
+    """Run (or resume) a tuning job; see the module docstring. ``quality_scale``/``quality_seeds``
+    override the space's budget fields for the quality confirmation at the end."""
+    space = with_quality(SearchSpace.load(space_path), quality_scale, quality_seeds)
     module = module_of(space.workload)
     name = study_name if study_name is not None else Path(space_path).stem
     if not name.strip():
@@ -127,24 +136,75 @@ def start_job(
         executor.wait_ready()
         db = open_storage(url, heartbeat_interval=HEARTBEAT_S, grace_period=grace_period_s)
         try:
-            original = space
-            space, reference_error = _graph_reference(db, space, name, executor)
-            # absolute: export re-reads the space's relative py_modules against its directory, from anywhere
-            loop = _set_up(db, space, name, os.path.abspath(space_path), target, checked, executor, on_progress,
-                           reference_error)
+            with db.lock(f"study:{name}"):  # a study of another workload is refused before anything runs
+                _check_resumable(open_study(db.optuna, name), space, name)
             # The first line of a job that runs (a refusal before this point is its one error line).
             log.info("workload %s: code from module %s runs here and on the workers (a space file is trusted like "
                      "a script)", space.workload, module)
+            original = space
+            space, reference_error = _graph_reference(db, space, name, executor)
             if reference_error is not None:
                 dropped = "; its whole_step_graph: true choice is dropped" if True in original.whole_step_graph else ""
                 log.info("whole-step CUDA graph: this model's step cannot be captured whole (%s): trials run without "
                          "the graph reference%s", reference_error, dropped)
+            floor, measured_here = _noise_floor(db, space, name, executor)
+            band = float(floor["band"]) if floor else 0.0
+            # absolute: export re-reads the space's relative py_modules against its directory, from anywhere
+            loop = _set_up(db, space, name, os.path.abspath(space_path), target, checked, executor, on_progress,
+                           reference_error, band)
+            if floor and (measured_here or db.store.noise_floor(loop.recorder.job) is None):
+                # Also on a resume after a driver stopped between storing the attr and the row.
+                db.store.record_noise_floor(loop.recorder.job, floor)
+            if floor:
+                log.info("noise floor of the NE gap: ±%.3f%% (a gap above the budget by less is not infeasible)",
+                         100 * band)
             summary = _run(db, loop, space, name, executor, confirm_windows)
         finally:
             db.close()
     finally:
         executor.close()
     return summary
+
+
+def _check_resumable(study: Any, space: SearchSpace, name: str) -> None:
+    """A study tuning another workload, or measuring against another baseline, is refused."""
+    workload_attr = {"name": space.workload, "args": dict(space.workload_args)}
+    tuned, over = study.user_attrs.get(Attr.WORKLOAD), study.user_attrs.get(Attr.GAIN_OVER)
+    if tuned is not None and tuned != workload_attr:
+        raise EraseTuneError(f"study {shown(name)} tunes workload {tuned['name']} with other arguments than "
+                             f"{space.source}: use another study name")
+    if over is not None and over != space.gain_over:
+        raise EraseTuneError(f"study {shown(name)} measures qps_gain over the {over} baseline; {space.source} says "
+                             f"{space.gain_over}: use another study name")
+
+
+def _noise_floor(db: Any, space: SearchSpace, name: str, executor: RayExecutor) -> tuple[dict[str, Any] | None, bool]:
+    """The study's noise floor (erase_tune.noise): the stored one on resume, else measured now
+    on a trial slot (once per study: a driver that finds one stored meanwhile takes that one).
+    Returns (floor dict or None when ``noise_repeats`` is 0, whether it was measured here)."""
+    with db.lock(f"study:{name}"):
+        study = open_study(db.optuna, name)
+        _check_resumable(study, space, name)
+        stored = study.user_attrs.get(Attr.NOISE_FLOOR)
+    if stored is not None or not space.budget.noise_repeats:
+        return stored, False
+    log.info("noise floor: training the baseline against itself (%d data orders%s) before the trials",
+             space.budget.noise_repeats, ", and the whole-step graph" if executor.device == "cuda" else "")
+    spec = ConfirmSpec(workload=space.workload, workload_args=dict(space.workload_args), plans={},
+                       budget=dataclasses.asdict(space.budget), windows=0, gain_over=space.gain_over, task="noise")
+    outcome = executor.confirm(spec, timeout=float(space.timeout_s) * (space.budget.noise_repeats + 2))
+    if outcome.result is None:
+        raise JobFailed(f"job {name}: the noise floor of the NE gap could not be measured (the baseline trained "
+                        f"alone failed): {outcome.failure.reason}")
+    floor = outcome.result.to_dict()
+    with db.lock(f"study:{name}"):
+        if study.user_attrs.get(Attr.NOISE_FLOOR) is not None:  # another driver measured it meanwhile
+            return study.user_attrs[Attr.NOISE_FLOOR], False
+        study.set_user_attr(Attr.NOISE_FLOOR, floor)
+        study.set_user_attr(Attr.NOISE_BAND, floor["band"])
+    return floor, True
+
+
 
 
 def _graph_reference(db: Any, space: SearchSpace, name: str, executor: RayExecutor) -> tuple[SearchSpace, str | None]:
@@ -179,17 +239,12 @@ def _graph_reference(db: Any, space: SearchSpace, name: str, executor: RayExecut
 
 
 def _set_up(db: Any, space: SearchSpace, name: str, space_path: str, target: int, checked: CheckedSpace,
-            executor: RayExecutor, on_progress: Callable[[Progress], None], reference_error: str | None = None) -> Loop:
+            executor: RayExecutor, on_progress: Callable[[Progress], None], reference_error: str | None = None,
+            band: float = 0.0) -> Loop:
     workload_attr = {"name": space.workload, "args": dict(space.workload_args)}
     with db.lock(f"study:{name}"):
         study = open_study(db.optuna, name)
-        tuned, over = study.user_attrs.get(Attr.WORKLOAD), study.user_attrs.get(Attr.GAIN_OVER)
-        if tuned is not None and tuned != workload_attr:
-            raise EraseTuneError(f"study {shown(name)} tunes workload {tuned['name']} with other arguments than "
-                                 f"{space.source}: use another study name")
-        if over is not None and over != space.gain_over:
-            raise EraseTuneError(f"study {shown(name)} measures qps_gain over the {over} baseline; {space.source} says "
-                                 f"{space.gain_over}: use another study name")
+        _check_resumable(study, space, name)
         drivers = int(study.user_attrs.get(Attr.DRIVERS, 0))
         for key, value in ((Attr.WORKLOAD, workload_attr), (Attr.MAX_NE_GAP, space.max_ne_gap),
                            (Attr.GAIN_OVER, space.gain_over), (Attr.DRIVERS, drivers + 1)):
@@ -202,9 +257,10 @@ def _set_up(db: Any, space: SearchSpace, name: str, space_path: str, target: int
                                   get_or_create=True)
         job = db.store.set_job_status(name, "running", n_trials_target=target)
         seed = None if space.sampler_seed is None else space.sampler_seed + 1_000_003 * drivers
-        study.sampler = make_sampler(space.sampler, seed, max_ne_gap=space.max_ne_gap,
+        study.sampler = make_sampler(space.sampler, seed, max_ne_gap=space.max_ne_gap + band,
                                      plan_key=plan_key(space, checked.candidates, checked.can_detach))
         recorder = Recorder(study=study, storage=db, job=job, space=space)
+        recorder.band = band
         journal = Journal(db.url, name)
         for entry in journal.entries():  # outcomes a driver measured but could not store
             recorder.record(entry.trial_number, entry.plan_key, entry.outcome, entry.attempts)
@@ -229,9 +285,15 @@ def _run(db: Any, loop: Loop, space: SearchSpace, name: str, executor: RayExecut
         raise
     complete, failed = loop.counts()
     front = pareto_front(loop.study, space.max_ne_gap)
-    confirmed = {}
+    confirmed, quality = {}, {}
     if confirm_windows and front:
         confirmed = confirm_front(db, loop.study, space, executor, front, windows=confirm_windows)
+        try:
+            quality = {n: (q.ne_gap, q.ne_gap_lo, q.ne_gap_hi)
+                       for n, q in confirm_quality_front(db, loop.study, space, executor, [
+                           p for p in front if p.number in confirmed and confirmed[p.number][1] > 0]).items()}
+        except EraseTuneError as e:  # the trials are stored: export confirms quality again
+            log.warning("%s (export will try again)", e)
     stopped = loop.stopped
     if complete == 0 or (stopped is not None and complete < loop.target and failed >= loop.max_failures):
         db.store.set_job_status(name, "failed", error=stopped or "every trial failed")
@@ -239,4 +301,5 @@ def _run(db: Any, loop: Loop, space: SearchSpace, name: str, executor: RayExecut
                         f" (see: erase-tune status --study {name} --storage '{db.url}')")
     db.store.set_job_status(name, "finished")
     return JobSummary(study_name=name, storage=db.url, executor=executor.describe, complete=complete,
-                      failed=failed, stopped=stopped, front=front, confirmed=confirmed, overhead=loop.overhead())
+                      failed=failed, stopped=stopped, front=front, confirmed=confirmed, overhead=loop.overhead(),
+                      quality=quality, noise_band=noise_band(loop.study))

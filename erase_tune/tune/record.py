@@ -1,7 +1,9 @@
 """Recording an outcome: the study learns the objectives, erase-tune's tables the raw data.
 
 Each fact is stored once. The Optuna trial gets the objective values, the NE constraint
-(system attribute ``constraints``) and the flat metric attributes that the dashboard,
+(system attribute ``constraints``: the budget plus the study's noise floor; a plan exact by
+construction, with no cuts, has NE-gap objective 0 and its measured gap kept as ``ne_gap``)
+and the flat metric attributes that the dashboard,
 ``status``, ``export`` and the report read; ``et_trial_outcomes`` gets what a worker sent
 beyond those numbers (per-step samples with their windows, provenance, the failure's
 traceback). A baseline NE measured by a trial goes to the baseline cache, which later
@@ -25,7 +27,8 @@ from erase_tune.store import Job, baseline_key
 from erase_tune.store.storage import Storage
 from erase_tune.tune.outcome import Failure, TrialOutcome
 from erase_tune.tune.space import SearchSpace
-from erase_tune.tune.study import CONSTRAINTS, Attr, metric_attrs, objective_values
+from erase_tune.noise import exact_by_construction, feasible
+from erase_tune.tune.study import CONSTRAINTS, Attr, constraint, metric_attrs, objective_values
 
 __all__ = ["Recorder"]
 
@@ -36,6 +39,8 @@ class Recorder:
     def __init__(self, *, study: optuna.Study, storage: Storage, job: Job, space: SearchSpace) -> None:
         self.study, self.storage, self.job, self.space = study, storage, job, space
         self._study_id = storage.optuna.get_study_id_from_name(study.study_name)
+        self.band = 0.0
+        """The study's noise floor band (erase_tune.noise): gaps within the budget plus it are feasible."""
         self.env: tuple[str, str] | None = None
         """(device name, torch version) of the last measured trial: the baseline cache's key."""
         latest = storage.store.latest_provenance(job)
@@ -61,19 +66,23 @@ class Recorder:
         if result is not None:
             metrics = metric_attrs(result)
             values = objective_values(metrics, self.space.gain_over)
+            exact = exact_by_construction(result.plan)
+            if exact:  # its training is the baseline's mathematics: the measured gap is noise
+                values[1] = 0.0
             if not all(math.isfinite(v) for v in values):
                 values, failure = None, Failure(kind="trial", reason=f"non-finite objectives {values}")
         if values is not None and result is not None:
             prov = dict(result.provenance)
             attrs.update(metric_attrs(result))
             attrs.update({Attr.DEVICE: prov.get("device_name"), Attr.DURATION: result.duration_s,
-                          Attr.MAX_NE_GAP: self.space.max_ne_gap,
-                          Attr.FEASIBLE: values[1] <= self.space.max_ne_gap})
+                          Attr.MAX_NE_GAP: self.space.max_ne_gap, Attr.EXACT: exact, Attr.NOISE_BAND: self.band,
+                          Attr.FEASIBLE: feasible(values[1], self.space.max_ne_gap, self.band, exact=exact)})
             self.env = (str(prov.get("device_name")), str(prov.get("torch")))
             if not prov.get("baseline_ne_cached"):
                 self.storage.store.put_baseline(self._baseline_key(), {"ne_baseline": result.ne_baseline},
                                                 {"baseline": result.variants["baseline"].steps_s})
-            message = (f"trial {number}: gain {values[0]:+.2%}, NE gap {values[1]:+.2%} "
+            gap = f"NE gap {result.ne_gap:+.2%} (noise: no cuts)" if exact else f"NE gap {values[1]:+.2%}"
+            message = (f"trial {number}: gain {values[0]:+.2%}, {gap} "
                        f"({result.plan.describe()}; {result.duration_s:.0f}s on {prov.get('device_name', '?')})")
         else:
             assert failure is not None
@@ -99,7 +108,7 @@ class Recorder:
         trial.set_user_attr(Attr.DUPLICATE_OF, earlier.number)
         if earlier.state == TrialState.COMPLETE and earlier.values is not None:
             self.storage.optuna.set_trial_system_attr(self.trial_id(trial.number), CONSTRAINTS,
-                                                      [earlier.values[1] - self.space.max_ne_gap])
+                                                      [self._constraint(earlier.values[1], earlier.user_attrs)])
             self.study.tell(trial, earlier.values)
             return f"trial {trial.number}: same plan as trial {earlier.number}, not run again"
         what = "running" if earlier.state == TrialState.RUNNING else "failed"
@@ -118,7 +127,7 @@ class Recorder:
             for key, value in attrs.items():
                 rdb.set_trial_user_attr(tid, key, value)
             if values is not None:
-                rdb.set_trial_system_attr(tid, CONSTRAINTS, [values[1] - self.space.max_ne_gap])
+                rdb.set_trial_system_attr(tid, CONSTRAINTS, [self._constraint(values[1], attrs)])
                 self.study.tell(number, values)
             else:
                 self.study.tell(number, state=TrialState.FAIL)
@@ -127,11 +136,17 @@ class Recorder:
             self.study.add_trial(optuna.trial.create_trial(
                 params=frozen.params, distributions=frozen.distributions, values=values,
                 user_attrs={**frozen.user_attrs, **attrs, "replayed_from": number},
-                system_attrs={CONSTRAINTS: [values[1] - self.space.max_ne_gap]}))
+                system_attrs={CONSTRAINTS: [self._constraint(values[1], attrs)]}))
+
+    def _constraint(self, ne_gap: float, attrs: dict[str, Any]) -> float:
+        return constraint(ne_gap, self.space.max_ne_gap, self.band, exact=bool(attrs.get(Attr.EXACT)))
 
     def _baseline_key(self) -> str:
         assert self.env is not None
-        args = {**dict(self.space.workload_args), "_budget": dataclasses.asdict(self.space.budget)}
+        # The fields the service reads around the trials (noise floor, quality) change no baseline.
+        budget = {k: v for k, v in dataclasses.asdict(self.space.budget).items()
+                  if k not in ("noise_repeats", "quality_scale", "quality_seeds")}
+        args = {**dict(self.space.workload_args), "_budget": budget}
         if self.space.gpus_per_trial > 1:  # k ranks train on k times the data: another baseline NE
             args["_ranks"] = self.space.gpus_per_trial
         return baseline_key(self.space.workload, args, self.env[0], self.env[1])

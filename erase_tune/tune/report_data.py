@@ -19,7 +19,7 @@ from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
 from erase_tune.errors import EraseTuneError, PlanError, shown
-from erase_tune.tune.study import flat_attrs
+from erase_tune.tune.study import flat_attrs, noise_band
 
 __all__ = ["TrialRecord", "Importance", "StudyFacts", "read_records", "study_facts", "front_within_budget",
            "param_importance", "MIN_TRIALS_FOR_IMPORTANCE"]
@@ -44,6 +44,10 @@ class StudyFacts:
     feasible: int
     duplicates: int
     """Complete trials that repeat a measured plan (``duplicate_of``)."""
+    noise_band: float = 0.0
+    """The study's noise floor of the NE gap (erase_tune.noise): gaps within budget + band are feasible."""
+    noise_floor: dict[str, Any] | None = None
+    """The whole noise-floor measurement (gaps, kinds, steps, provenance), if made."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -82,6 +86,9 @@ class TrialRecord:
     duplicate_of: int | None = None
     failure_kind: str | None = None
     failure_reason: str | None = None
+    exact: bool = False
+    """No cuts: exact by construction; its NE-gap objective is 0 and ``ne_gap_measured`` is noise."""
+    ne_gap_measured: float | None = None
 
     @property
     def measured(self) -> bool:
@@ -113,16 +120,18 @@ def _plan_summary(attrs: dict[str, Any]) -> str:
         return f"(unreadable plan: {e})"
 
 
-def _record(trial: FrozenTrial, max_ne_gap: float) -> TrialRecord:
+def _record(trial: FrozenTrial, max_ne_gap: float, band: float = 0.0) -> TrialRecord:
     attrs = flat_attrs(trial.user_attrs)
     values = trial.values if trial.state == TrialState.COMPLETE and trial.values is not None else None
     gain = _number(values[0]) if values and len(values) == 2 else None
     gap = _number(values[1]) if values and len(values) == 2 else None
     dup = attrs.get("duplicate_of")
+    exact = attrs.get("exact") is True
     return TrialRecord(
         number=trial.number, state=trial.state.name, qps_gain=gain, ne_gap=gap,
-        # the same test the constraint makes (ne_gap - max_ne_gap <= 0), against the study's budget
-        feasible=None if gap is None else gap <= max_ne_gap,
+        # the same test the constraint makes (ne_gap - (max_ne_gap + band) <= 0), against the study's budget
+        feasible=None if gap is None else exact or gap <= max_ne_gap + band,
+        exact=exact, ne_gap_measured=_number(attrs.get("ne_gap")),
         gain_vs_eager=_number(attrs.get("gain_vs_eager")), gain_vs_graph=_number(attrs.get("gain_vs_graph")),
         gain_detach_only=_number(attrs.get("gain_detach_only")), gain_median=_number(attrs.get("gain_median")),
         gain_lo=_number(attrs.get("gain_lo")), gain_hi=_number(attrs.get("gain_hi")),
@@ -148,8 +157,8 @@ def _budget(study: optuna.Study) -> float:
 
 def read_records(study: optuna.Study) -> list[TrialRecord]:
     """Every trial of ``study`` as a ``TrialRecord``, by trial number."""
-    budget = _budget(study)
-    return [_record(t, budget) for t in sorted(study.get_trials(deepcopy=False), key=lambda t: t.number)]
+    budget, band = _budget(study), noise_band(study)
+    return [_record(t, budget, band) for t in sorted(study.get_trials(deepcopy=False), key=lambda t: t.number)]
 
 
 def study_facts(study: optuna.Study, records: Sequence[TrialRecord]) -> StudyFacts:
@@ -163,6 +172,9 @@ def study_facts(study: optuna.Study, records: Sequence[TrialRecord]) -> StudyFac
         counts=dict(sorted(counts.items())), measured=sum(r.measured for r in records),
         feasible=sum(r.measured and bool(r.feasible) for r in records),
         duplicates=sum(r.state == "COMPLETE" and r.duplicate_of is not None for r in records),
+        noise_band=noise_band(study),
+        noise_floor=study.user_attrs.get("noise_floor") if isinstance(study.user_attrs.get("noise_floor"), dict)
+        else None,
     )
 
 

@@ -120,7 +120,8 @@ def parse(data: Any, base: Path) -> dict[str, Any]:
         sampler_seed = _int(sampler_seed, "sampler.seed", 0, MAX_SEED)
 
     b = _mapping(_or(data.get("budget"), {}), "budget", "a mapping")
-    _known(b, {"warmup_steps", "windows", "window_steps", "quality_steps", "timeout_s"}, "budget.")
+    _known(b, {"warmup_steps", "windows", "window_steps", "quality_steps", "timeout_s", "noise_repeats",
+               "quality_scale", "quality_seeds"}, "budget.")
     seed = _int(data.get("seed", 0), "seed", 0, MAX_SEED)
     steps = {k: _int(v, f"budget.{k}", 0, MAX_STEPS) for k, v in b.items() if k != "timeout_s"}
     budget = Budget(**steps, seed=seed)

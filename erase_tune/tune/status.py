@@ -1,4 +1,5 @@
-"""``erase-tune status``: a job, its Pareto front, confirmations and exports; or one trial.
+"""``erase-tune status``: a job, its noise floor, Pareto front, confirmations (of speed and of
+quality) and exports; or one trial.
 
 Everything shown is read from where it is stored once: the trials and their metrics from
 the Optuna study, the job, confirmations, exports and a trial's raw samples, traceback and
@@ -14,7 +15,7 @@ from typing import Any
 from optuna.trial import TrialState
 
 from erase_tune.errors import EraseTuneError, shown
-from erase_tune.store import Confirmation, Export, Job, StoredOutcome, default_storage_url
+from erase_tune.store import Confirmation, Export, Job, QualityConfirmation, StoredOutcome, default_storage_url
 from erase_tune.store.storage import open_storage
 from erase_tune.tune.export import load_study
 from erase_tune.tune.study import Attr, FrontPoint, pareto_front
@@ -38,6 +39,10 @@ class JobStatus:
     """(trial, kind, reason) of failed trials."""
     confirmations: list[Confirmation]
     exports: list[Export]
+    noise_floor: dict[str, Any] | None = None
+    """The study's noise floor of the NE gap (erase_tune.noise), if measured."""
+    quality: list[QualityConfirmation] = dataclasses.field(default_factory=list)
+    """Quality confirmations (front plans trained longer over seeds), oldest first."""
 
     def table(self) -> str:
         c = self.counts
@@ -45,19 +50,36 @@ class JobStatus:
                  f"trials: {c.get('COMPLETE', 0)} measured, {c.get('RUNNING', 0)} running, {c.get('FAIL', 0)} failed, "
                  f"{c.get('REPEAT', 0)} repeats" + (f"; NE-gap budget {self.max_ne_gap:.2%}" if self.max_ne_gap
                                                      is not None else "")]
+        band = 0.0
+        if self.noise_floor:
+            band = float(self.noise_floor["band"])
+            gaps = ", ".join(f"{k} {g:+.2%}" for k, g in zip(self.noise_floor.get("kinds", []),
+                                                            self.noise_floor.get("gaps", [])))
+            lines.append(f"noise floor of the NE gap: ±{band:.2%} (baseline against itself, "
+                         f"{self.noise_floor.get('training_steps')} steps: {gaps}); infeasible only above "
+                         f"{(self.max_ne_gap or 0.0) + band:.2%}" if self.max_ne_gap is not None else
+                         f"noise floor of the NE gap: ±{band:.2%} ({gaps})")
+        else:
+            lines.append("noise floor of the NE gap: not measured")
         rows = self.front or self.front_all
         lines.append(("Pareto front within the NE budget" if self.front else
                       "Pareto front (no trial within the NE budget)") + ":")
         lines.append(f"  (QPS gain is p90 over the {self.gain_over} baseline; detach only = the same cuts without"
                      " early launch, over eager)")
-        lines.append(f"  {'trial':>5} {'QPS gain':>9} {'NE gap':>8} {'vs eager':>9} {'vs graph':>9} "
-                     f"{'detach only':>11} {'confirmed':>24}  plan")
+        lines.append("  (NE gap 'noise': a plan with no cuts is exact by construction; its measured gap is noise)")
+        lines.append(f"  {'trial':>5} {'QPS gain':>9} {'NE gap':>14} {'vs eager':>9} {'vs graph':>9} "
+                     f"{'detach only':>11} {'confirmed':>24} {'confirmed NE gap':>24}  plan")
         confirmed = {x.trial_number: x for x in self.confirmations}
+        quality = {x.trial_number: x for x in self.quality}
         for p in rows:
             conf = confirmed.get(p.number)
             shown = f"{conf.gain:+.2%} [{conf.gain_lo:+.1%},{conf.gain_hi:+.1%}]" if conf else "-"
-            lines.append(f"  {p.number:>5} {p.qps_gain:>+9.2%} {p.ne_gap:>+8.2%} {_pct(p.gain_vs_eager):>9} "
-                         f"{_pct(p.gain_vs_graph):>9} {_pct(p.gain_detach_only):>11} {shown:>24}  "
+            q = quality.get(p.number)
+            qshown = "-" if q is None else "exact" if q.exact else \
+                f"{q.ne_gap:+.2%} [{q.ne_gap_lo:+.1%},{q.ne_gap_hi:+.1%}]"
+            gap = f"noise {_pct(p.user_attrs.get('ne_gap'))}" if p.user_attrs.get(Attr.EXACT) else f"{p.ne_gap:+.2%}"
+            lines.append(f"  {p.number:>5} {p.qps_gain:>+9.2%} {gap:>14} {_pct(p.gain_vs_eager):>9} "
+                         f"{_pct(p.gain_vs_graph):>9} {_pct(p.gain_detach_only):>11} {shown:>24} {qshown:>24}  "
                          f"{p.user_attrs.get(Attr.PLAN_SUMMARY, '')}")
         if not rows:
             lines.append("  (no measured trials yet)")
@@ -124,7 +146,8 @@ def job_status(storage: str | None, study_name: str | None) -> JobStatus:
             max_ne_gap=budget, gain_over=study.user_attrs.get(Attr.GAIN_OVER, "eager"), counts=counts,
             front=pareto_front(study, budget) if budget is not None else pareto_front(study),
             front_all=pareto_front(study), failures=failures,
-            confirmations=db.store.confirmations(job) if job else [], exports=db.store.exports(job) if job else [])
+            confirmations=db.store.confirmations(job) if job else [], exports=db.store.exports(job) if job else [],
+            noise_floor=study.user_attrs.get(Attr.NOISE_FLOOR), quality=db.store.quality_confirmations(job) if job else [])
     finally:
         db.close()
 

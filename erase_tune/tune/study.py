@@ -2,8 +2,9 @@
 
 Objectives are ``qps_gain`` (maximize: p90 QPS gain over the baseline the space's
 ``gain_over`` names) and ``ne_gap`` (minimize: relative NE gap); their names are set on the
-study so optuna-dashboard labels them. The NE budget is a constraint, ``ne_gap - max_ne_gap
-<= 0``, stored once in the trial's ``constraints`` system attribute: Optuna 5's samplers and
+study so optuna-dashboard labels them. The NE budget is a constraint, ``ne_gap - (max_ne_gap
++ band) <= 0`` where ``band`` is the study's measured noise floor (erase_tune.noise; 0 before
+it is measured), and ``-max_ne_gap`` for a plan exact by construction (no cuts), stored once in the trial's ``constraints`` system attribute: Optuna 5's samplers and
 ``study.best_trials`` read it, and so does optuna-dashboard 0.21 (which does not read the
 per-key form ``trial.set_constraint`` writes). Each measured number is its own scalar user
 attribute (:class:`Attr`), so the dashboard can sort and plot by it.
@@ -22,12 +23,13 @@ from erase_tune.errors import EraseTuneError, shown
 from erase_tune.trial import TrialResult
 
 __all__ = ["METRIC_NAMES", "DIRECTIONS", "CONSTRAINTS", "Attr", "SAMPLERS", "make_sampler", "open_study",
-           "metric_attrs", "objective_values", "flat_attrs", "attr", "FrontPoint", "pareto_front", "measured"]
+           "metric_attrs", "objective_values", "flat_attrs", "attr", "FrontPoint", "pareto_front", "measured",
+           "noise_band", "constraint"]
 
 METRIC_NAMES = ("qps_gain", "ne_gap")
 DIRECTIONS = ("maximize", "minimize")
 CONSTRAINTS = "constraints"
-"""System attribute: ``[ne_gap - max_ne_gap]`` (feasible when <= 0)."""
+"""System attribute: ``[ne_gap - (max_ne_gap + band)]`` (feasible when <= 0); see :func:`constraint`."""
 SAMPLERS = ("front", "tpe", "nsga2", "gp", "random")
 """``front`` (the default: erase_tune.tune.samplers.FrontSampler) and Optuna's TPE, NSGA-II, GP, random."""
 
@@ -48,10 +50,13 @@ class Attr:
     DURATION = "duration_s"
     MAX_NE_GAP = "max_ne_gap"
     FEASIBLE = "feasible"
+    EXACT = "exact"  # no cuts: exact by construction, its measured NE gap is noise (objective 0)
     # study-level
     WORKLOAD = "workload"
     GAIN_OVER = "gain_over"
     DRIVERS = "drivers_started"
+    NOISE_FLOOR = "noise_floor"  # erase_tune.noise.NoiseFloor.to_dict()
+    NOISE_BAND = "ne_noise_band"  # its band, a scalar the dashboard lists
     REFERENCE_ERROR = "reference_error"  # why the whole-step graph cannot be captured; None: it can (CUDA only)
 
 
@@ -155,12 +160,25 @@ class FrontPoint:
     user_attrs: dict[str, Any]
 
 
+def noise_band(study: optuna.Study) -> float:
+    """The study's noise floor band (0 when none was measured: an older study, or noise_repeats 0)."""
+    band = study.user_attrs.get(Attr.NOISE_BAND)
+    return float(band) if isinstance(band, (int, float)) and band >= 0 else 0.0
+
+
+def constraint(ne_gap: float, max_ne_gap: float, band: float = 0.0, *, exact: bool = False) -> float:
+    """The value stored in ``constraints``: <= 0 when feasible (erase_tune.noise.feasible)."""
+    return -max_ne_gap if exact else ne_gap - (max_ne_gap + band)
+
+
 def pareto_front(study: optuna.Study, max_ne_gap: float | None = None) -> list[FrontPoint]:
     """Measured trials not dominated in (max qps_gain, min ne_gap), best gain first; with
-    ``max_ne_gap``, only trials within that NE gap take part."""
+    ``max_ne_gap``, only trials within that NE gap beyond the study's noise floor
+    (:func:`noise_band`) take part."""
     trials = measured(study)
     if max_ne_gap is not None:
-        trials = [t for t in trials if t.values[1] <= max_ne_gap]
+        limit = max_ne_gap + noise_band(study)
+        trials = [t for t in trials if t.values[1] <= limit]
     front = [t for t in trials if not any(o.values[0] >= t.values[0] and o.values[1] <= t.values[1]
                                           and o.values != t.values for o in trials)]
     seen, points = set(), []

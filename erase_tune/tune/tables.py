@@ -75,4 +75,8 @@ def start_summary(s: JobSummary) -> str:
     for number, (gain, lo, hi) in s.confirmed.items():
         verdict = "confirmed gain" if lo > 0 else "no confirmed gain"
         lines.append(f"  trial {number} re-measured: {gain:+.2%} [95% interval {lo:+.2%}, {hi:+.2%}]: {verdict}")
+    if s.noise_band:
+        lines.append(f"noise floor of the NE gap: ±{s.noise_band:.2%} (gaps within the budget plus it are feasible)")
+    for number, (gap, lo, hi) in s.quality.items():
+        lines.append(f"  trial {number} trained longer: NE gap {gap:+.2%} [95% interval {lo:+.2%}, {hi:+.2%}]")
     return "\n".join(lines)

@@ -4,10 +4,11 @@ This is the seam between the service and the library: a Ray actor (or anything e
 :func:`run_spec` in its process; it builds the workload, runs
 :func:`erase_tune.trial.run_trial` and turns every way a trial can go wrong into a
 :class:`~erase_tune.tune.outcome.Failure` of the right kind, so a broken trial is recorded,
-not fatal. :func:`run_confirm` does the same for a confirming re-measurement, and
-:func:`run_reference` for the job's one try of the whole-step-graph reference (before its first
-trial, in a worker the executor replaces afterwards when the capture failed: a failed capture
-can leave a process's CUDA state unfit for measuring).
+not fatal. :func:`run_confirm` does the same for a confirming re-measurement (of speed or of
+quality) and for the noise floor a job measures before its trials, and :func:`run_reference`
+for the job's one try of the whole-step-graph reference (before its first trial, in a worker
+the executor replaces afterwards when the capture failed: a failed capture can leave a
+process's CUDA state unfit for measuring).
 """
 
 from __future__ import annotations
@@ -56,6 +57,15 @@ class ConfirmSpec:
     windows: int
     gain_over: str
     device: str = "auto"
+    task: str = "speed"
+    """``speed`` (:func:`erase_tune.confirm.confirm_plans`), ``quality``
+    (:func:`erase_tune.noise.confirm_quality`) or ``noise`` (:func:`erase_tune.noise.measure_noise_floor`;
+    ``plans`` is then empty)."""
+    band: float = 0.0
+    """``quality``: the job's noise floor band (the interval of plans exact by construction)."""
+
+
+CONFIRM_TASKS = ("speed", "quality", "noise")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -116,12 +126,32 @@ def run_confirm(spec: ConfirmSpec, info: Callable[[], dict[str, Any]] = dict,
         workload = get_workload(spec.workload, dict(spec.workload_args))
         plans = {name: ErasePlan.from_dict(dict(p)) for name, p in spec.plans.items()}
         marks["ready"] = time.time()
+        if spec.task != "speed":
+            return _quality_or_noise(spec, workload, plans, process_group)
         return confirm_plans(workload, plans, budget=Budget(**spec.budget), windows=spec.windows,
                              gain_over=spec.gain_over, device=spec.device, process_group=process_group)
 
     marks: dict[str, float] = {}
     result, failure, worker = _run(work, marks, info)
     return ConfirmOutcome(result=result, failure=failure, worker=worker)
+
+
+def _quality_or_noise(spec: ConfirmSpec, workload: Any, plans: Mapping[str, Any], process_group: Any) -> Any:
+    """The ``quality`` and ``noise`` tasks of a :class:`ConfirmSpec` (erase_tune.noise)."""
+    from erase_tune.errors import EraseTuneError
+    from erase_tune.noise import confirm_quality, measure_noise_floor
+    from erase_tune.trial import Budget
+
+    budget = Budget(**spec.budget)
+    if spec.task == "noise":
+        # The whole-step graph is a perturbation only where the job found it capturable (the
+        # service turns budget.reference off when it is not).
+        return measure_noise_floor(workload, budget, repeats=budget.noise_repeats, device=spec.device,
+                                   graph=None if budget.reference else False, process_group=process_group)
+    if spec.task == "quality":
+        return confirm_quality(workload, plans, budget=budget, scale=budget.quality_scale, seeds=budget.quality_seeds,
+                               band=spec.band, device=spec.device, process_group=process_group)
+    raise EraseTuneError(f"confirmation task {spec.task!r} is not one of {', '.join(CONFIRM_TASKS)}")
 
 
 def run_reference(spec: ReferenceSpec, info: Callable[[], dict[str, Any]] = dict) -> ReferenceOutcome:

@@ -133,8 +133,11 @@ class GPT(nn.Module):
     parameter upstream of it. The final norm and ``lm_head`` (untied) follow the chain.
     """
 
-    def __init__(self, *, seq_len: int, n_layer: int, n_head: int, n_embd: int) -> None:
+    def __init__(self, *, seq_len: int, n_layer: int, n_head: int, n_embd: int, dtype: str = "float32") -> None:
         super().__init__()
+        # "bfloat16": the forward runs under autocast in bf16 (parameters stay float32), as
+        # nanochat computes on an H200; the logits come back in float32 either way.
+        self.compute_dtype = dtype
         # Built in the order the parameters always were (embeddings, blocks, head), so a seed
         # gives the same weights as before the embedding joined the chain.
         blocks: list[nn.Module] = [Embed(seq_len=seq_len, n_embd=n_embd)]
@@ -148,10 +151,13 @@ class GPT(nn.Module):
             nn.init.normal_(param, mean=0.0, std=std)
 
     def forward(self, idx: Tensor) -> Tensor:
-        x = idx
-        for block in self.blocks:
-            x = block(x)
-        return self.lm_head(_norm(x))
+        # No autocast cache: a whole-step CUDA graph captures this forward.
+        with torch.autocast(idx.device.type, dtype=torch.bfloat16, enabled=self.compute_dtype == "bfloat16",
+                            cache_enabled=False):
+            x = idx
+            for block in self.blocks:
+                x = block(x)
+            return self.lm_head(_norm(x)).float()
 
 
 def lm_loss(logits: Tensor, target: Tensor) -> Tensor:
@@ -246,7 +252,8 @@ def _build_model(*, args: dict[str, Any]) -> GPT:
     # fork_rng: seed the initialisation without disturbing the caller's global RNG.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(args["seed"])
-        return GPT(seq_len=args["seq_len"], n_layer=args["n_layer"], n_head=args["n_head"], n_embd=args["n_embd"])
+        return GPT(seq_len=args["seq_len"], n_layer=args["n_layer"], n_head=args["n_head"], n_embd=args["n_embd"],
+                   dtype=args.get("dtype", "float32"))
 
 
 def _example(device: torch.device, *, args: dict[str, Any]) -> Batch:
@@ -332,12 +339,16 @@ def workload(
     eval_batches: int = 4,
     lr: float = 3e-4,
     seed: int = 0,
+    dtype: str = "float32",
 ) -> Workload:
     """The GPT proxy. Defaults suit a CPU; a GPU trial might use ``batch=32, seq_len=1024,
-    n_layer=12, n_head=6, n_embd=768``."""
+    n_layer=12, n_head=6, n_embd=768``. ``dtype``: ``float32``, or ``bfloat16`` compute
+    (autocast; parameters and logits stay float32)."""
     args = dict(locals())
     for name, (low, high) in _BOUNDS.items():
         check_int("gpt", name, args[name], low, high)
+    if dtype not in ("float32", "bfloat16"):
+        raise WorkloadError(f"workload 'gpt': argument 'dtype' must be 'float32' or 'bfloat16', got {shown(dtype)}")
     if n_embd % n_head:
         raise WorkloadError(f"workload 'gpt': argument 'n_embd' ({n_embd}) must be a multiple of 'n_head' ({n_head})")
     if not (lr > 0 and math.isfinite(lr)):

@@ -26,7 +26,8 @@ from erase_tune.store import (
 from erase_tune.store.migrate import scripts_dir
 from erase_tune.store.models import Base, include_name, include_object
 
-OUR_TABLES = {"et_jobs", "et_trial_outcomes", "et_confirmations", "et_baseline_cache", "et_exports"}
+OUR_TABLES = {"et_jobs", "et_trial_outcomes", "et_confirmations", "et_baseline_cache", "et_exports",
+              "et_noise_floors", "et_quality_confirmations"}
 
 
 def table_names(url: str) -> set[str]:
@@ -61,7 +62,7 @@ def optuna_study(url: str, n_trials: int) -> int:
 
 def test_scripts_are_found_with_one_head() -> None:
     assert (scripts_dir() / "env.py").is_file()
-    assert head_revision() == "0002"
+    assert head_revision() == "0003"
 
 
 def test_upgrade_downgrade_upgrade_leaves_optuna_alone(storage_url: str) -> None:
@@ -175,3 +176,24 @@ def test_0002_carries_trial_measurements_over_and_back(store: Store, storage_url
         row = conn.execute(text("SELECT optuna_trial_number, samples, device FROM et_trial_measurements")).one()
     engine.dispose()
     assert row[0] == 5 and row[2] == "NVIDIA H200"
+
+
+def test_0003_adds_noise_floors_and_quality_and_keeps_what_is_stored(store: Store, storage_url: str) -> None:
+    store.upgrade()
+    job = store.create_job(study_name="kept", space_path="s.yaml", space_yaml="", workload="mlp")
+    store.record_outcome(job, 0, plan_yaml="cuts: []", status="complete")
+    floor = store.record_noise_floor(job, {"band": 0.02, "gaps": [0.01, -0.02], "kinds": ["order", "graph"],
+                                           "ne_reference": 0.8, "training_steps": 40, "repeats": 1})
+    assert store.noise_floor(job) == floor and floor.kinds == ("order", "graph") and floor.band == 0.02
+    q = store.record_quality(job, 0, plan_yaml="cuts: []", steps=160, seeds=3, ne_gap=0.01, ne_gap_lo=-0.01,
+                             ne_gap_hi=0.03, per_seed=[0.0, 0.01, 0.02], exact=False, band=0.02, provenance={})
+    assert store.quality_confirmations(job) == [q] and q.per_seed == (0.0, 0.01, 0.02)
+    store.downgrade("0002")
+    tables = table_names(storage_url)
+    assert "et_noise_floors" not in tables and "et_quality_confirmations" not in tables
+    engine = create_engine(storage_url, poolclass=NullPool)
+    with engine.connect() as conn:  # what 0002 held is still there
+        assert conn.execute(text("SELECT count(*) FROM et_trial_outcomes")).scalar() == 1
+    engine.dispose()
+    store.upgrade()
+    assert store.noise_floor(job) is None and store.outcome(job, 0) is not None

@@ -24,8 +24,8 @@ from tests.tune.faulty import write_space
 def finished_study(ray_cluster, tmp_path_factory) -> str:
     tmp = tmp_path_factory.mktemp("dash")
     url = f"sqlite:///{tmp / 'dash.db'}"
-    assert run_cli("start", "--space", write_space(tmp / "dash.yaml", trials=2), "--study", "dash",
-                   "--storage", url) == 0
+    space = write_space(tmp / "dash.yaml", trials=2, budget={"noise_repeats": 1})  # with a noise floor
+    assert run_cli("start", "--space", space, "--study", "dash", "--storage", url) == 0
     return url
 
 
@@ -81,6 +81,15 @@ def test_the_study_is_listed_with_named_objectives(dashboard):
     assert detail["objective_names"] == ["qps_gain", "ne_gap"]
     assert len(detail["trials"]) == 2
     assert all(t["state"] == "Complete" for t in detail["trials"])
+    # The noise floor of the NE gap is a study attribute the dashboard lists, and each trial's
+    # constraint is its gap against the budget plus that band.
+    attrs = {a["key"]: a["value"] for a in detail["user_attrs"]}
+    band = float(attrs["ne_noise_band"])
+    assert band >= 0 and "noise_floor" in attrs
+    for t in detail["trials"]:
+        values = t["values"]
+        exact = {a["key"]: a["value"] for a in t["user_attrs"]}.get("exact") in (True, "true", "True")
+        assert t["constraints"] == pytest.approx([-0.05 if exact else values[1] - (0.05 + band)])
 
 
 def test_it_binds_to_loopback_only_by_default(dashboard):

@@ -293,3 +293,28 @@ def test_a_study_that_is_not_an_erase_tune_job_is_one_line(tmp_path):
     with pytest.raises(EraseTuneError) as e:
         write_report(study, tmp_path)
     assert "has no NE budget" in _one_line(e)
+
+
+def test_the_noise_floor_widens_feasibility_and_is_shown(finished, tmp_path):
+    """A study with a measured noise floor: a gap above the budget but within budget + band is
+    feasible (trial 5: +3.1% against 2% + 1.5%), the facts say so, the front figure changes."""
+    url = f"sqlite:///{tmp_path / 'noisy.db'}"
+    shutil.copy(finished.removeprefix("sqlite:///"), tmp_path / "noisy.db")
+    study = optuna.load_study(study_name=STUDY_NAME, storage=url)
+    before = {r.number: r.feasible for r in read_records(study)}
+    floor = {"band": 0.015, "gaps": [0.015, -0.004], "kinds": ["order", "graph"], "ne_reference": 0.8,
+             "training_steps": 268, "repeats": 1, "provenance": {}}
+    study.set_user_attr("noise_floor", floor)
+    study.set_user_attr("ne_noise_band", 0.015)
+    after = {r.number: r.feasible for r in read_records(study)}
+    assert before[5] is False and after[5] is True
+    assert {n for n in after if after[n] and not before[n]} == {
+        r.number for r in read_records(study) if r.measured and MAX_NE_GAP < r.ne_gap <= MAX_NE_GAP + 0.015}
+    plain = report(finished, None, tmp_path / "plain")
+    files = report(url, None, tmp_path / "noisy")
+    page = _check_files(files)
+    facts = dict(page.table("fact", "value"))
+    assert facts["noise floor of the NE gap"].startswith("±1.50%: the baseline trained against itself for 268 steps")
+    assert "beyond 3.50%" in facts["noise floor of the NE gap"]
+    assert "not measured" in dict(_check_files(plain).table("fact", "value"))["noise floor of the NE gap"]
+    assert files.pareto_front.read_bytes() != plain.pareto_front.read_bytes()

@@ -40,8 +40,12 @@ def test_start_status_export_train(storage_url, ray_cluster, tmp_path, capsys, p
     # Flat, sortable metrics; the objective is one of them; the budget is the dashboard's constraint.
     assert t.user_attrs["candidate_p90_qps"] > 0 and 0 < t.user_attrs["ne_baseline"] < 2
     assert abs(t.values[0] - t.user_attrs["gain_vs_eager"]) < 1e-12
-    assert t.system_attrs["constraints"] == [t.values[1] - 0.05]
-    assert t.user_attrs["feasible"] == (t.values[1] <= 0.05)
+    # The budget is judged beyond the noise floor measured before the trials (ctr-smoke: 2 orders).
+    band = study.user_attrs["ne_noise_band"]
+    assert study.user_attrs["noise_floor"]["kinds"] == ["order", "order"] and band >= 0
+    assert t.system_attrs["constraints"] == [t.values[1] - (0.05 + band)]
+    assert t.user_attrs["feasible"] == (t.values[1] <= 0.05 + band)
+    assert first.user_attrs["exact"] is True and first.values[1] == 0.0  # no cuts: its gap is noise
 
     store = Store(storage_url)
     job = store.get_job("svc")
@@ -50,11 +54,13 @@ def test_start_status_export_train(storage_url, ray_cluster, tmp_path, capsys, p
     assert o.status == "complete" and o.node and o.provenance["torch"]
     assert len(o.samples["candidate"]["steps_s"]) == 20 and sorted(set(o.samples["candidate"]["window"])) == [0, 1, 2, 3]
     assert store.confirmations(job)  # the end of start re-measured the front
+    assert store.noise_floor(job).band == band
     store.close()
 
     assert run_cli("status", "--study", "svc", "--storage", storage_url) == 0
     out = capsys.readouterr().out
     assert "6 measured" in out and "Pareto front" in out and "confirmed" in out
+    assert "noise floor of the NE gap: ±" in out
     assert run_cli("status", "--study", "svc", "--storage", storage_url, "--trial", t.number) == 0
     out = capsys.readouterr().out
     assert f"trial {t.number}: COMPLETE" in out and "samples candidate: 20 steps" in out and "torch" in out
@@ -69,6 +75,7 @@ def test_start_status_export_train(storage_url, ray_cluster, tmp_path, capsys, p
     assert prov["study"] == "svc" and prov["workload"] == "ctr" and prov["trial"] == written["trial"]
     assert prov["search_qps_gain"] == written["search_qps_gain"]
     assert "confirmed_gain" in prov and prov["confirmed_gain_lo"] <= prov["confirmed_gain"] <= prov["confirmed_gain_hi"]
+    assert prov["ne_noise_band"] == band and "quality_confirmed" in prov and "search_ne_gap" in prov
     with Store(storage_url) as store:
         assert len(store.exports(store.get_job("svc"))) == 1
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from erase_tune.workloads import get_workload
@@ -96,3 +97,25 @@ def test_few_steps_reduce_loss() -> None:
     train(wl, data, model, 30, opt)
     after = wl.normalized_entropy(model, data)
     assert after < before and after < 1.0  # better than the byte-frequency prior
+
+
+def test_bf16_compute_is_an_argument_and_float32_stays_the_default():
+    import torch
+
+    from erase_tune.errors import WorkloadError
+    from erase_tune.workloads import get_workload
+
+    small = {"batch": 2, "seq_len": 8, "n_layer": 1, "n_head": 2, "n_embd": 16, "train_batches": 1, "eval_batches": 1}
+    seen = {}
+    for dtype in ("float32", "bfloat16"):
+        wl = get_workload("gpt", {**small, "dtype": dtype})
+        model = wl.build_model()
+        (idx,), _ = wl.example(torch.device("cpu"))
+        hook = model.lm_head.register_forward_hook(lambda m, a, out, d=dtype: seen.__setitem__(d, out.dtype))
+        logits = model(idx)
+        hook.remove()
+        assert logits.dtype == torch.float32 and next(model.parameters()).dtype == torch.float32
+    assert seen == {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    assert get_workload("gpt", small).args["dtype"] == "float32"
+    with pytest.raises(WorkloadError, match="argument 'dtype' must be"):
+        get_workload("gpt", {**small, "dtype": "float16"})

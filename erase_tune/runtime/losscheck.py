@@ -1,0 +1,107 @@
+"""The workload's loss, checked on the model's own output before any timing.
+
+Three loss mistakes mislead rather than fail (issue 17): a loss not reduced to a scalar ends
+deep in ``backward()`` ("grad can be implicitly created only for scalar outputs"); a loss that
+rejects the model's output was blamed on a cut's aux head (or was a bare traceback without
+cuts); and a sum-reduced loss trains, but the NE a study reports is then the sum over the
+batch (hundreds, not ~1). :func:`check_loss` runs the model once on an example batch (eval
+mode, no grad, the RNG restored) and raises a one-line :class:`PlanError` for each, blaming
+the loss. It holds for every plan, with or without cuts: it looks at the model and the loss only.
+
+A mean-reduced loss is detected without knowing the loss: on the batch repeated twice it
+gives exactly the same value as on the batch (the mean of a multiset doubled is its mean); a
+sum-reduced loss gives twice the value. Outputs or targets that cannot be repeated along
+their first dimension (not tensors, or of different lengths) skip that check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from erase_tune.errors import PlanError, shown
+
+__all__ = ["check_loss", "check_loss_value"]
+
+_SUM_RATIO = 1.5
+"""Loss on the doubled batch over loss on the batch above this: not a mean (a sum gives 2)."""
+
+
+def check_loss(model: nn.Module, inputs: tuple[Any, ...], target: Tensor,
+               loss_fn: Callable[[Tensor, Tensor], Tensor]) -> float:
+    """Run ``model(*inputs)`` and check ``loss_fn`` on its output (see the module docstring);
+    returns the loss value on the example batch."""
+    with _quiet(model), torch.no_grad():
+        output = model(*inputs)
+    return check_loss_value(output, target, loss_fn)
+
+
+def check_loss_value(output: Any, target: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor]) -> float:
+    """The checks of :func:`check_loss` on a model output already computed."""
+    with torch.no_grad():
+        try:
+            loss = loss_fn(output, target)
+        except Exception as e:  # noqa: BLE001 - whatever the loss raises, the loss is what failed
+            raise PlanError(f"loss_fn rejects the model's own output {_shape(output)} with target {_shape(target)} "
+                            f"({type(e).__name__}: {_first_line(e)}): fix the loss (or the model's output); this is "
+                            "not about any cut or aux head") from None
+        if not isinstance(loss, Tensor):
+            raise PlanError(f"loss_fn returns {type(loss).__name__}, not a tensor: it must return the batch's mean "
+                            "loss as a scalar tensor")
+        if loss.numel() != 1 or loss.dim() > 1:
+            raise PlanError(f"loss_fn returns a tensor of shape {tuple(loss.shape)}, not a scalar: reduce it to the "
+                            "batch's mean (reduction='mean', or .mean())")
+        value = float(loss.float())
+        if not torch.isfinite(loss.float()).all():
+            raise PlanError(f"loss_fn gives {value} on the model's own output for the example batch, before any "
+                            "training: check the loss and the data")
+        doubled = _doubled(output, target)
+        if doubled is not None and value != 0.0:
+            try:
+                twice = float(loss_fn(*doubled).float())
+            except Exception:  # noqa: BLE001 - a loss tied to the batch size: nothing to compare
+                return value
+            ratio = twice / value
+            if ratio > _SUM_RATIO:
+                raise PlanError(f"loss_fn is not a mean over the batch: it gives {value:.4g} on the example batch and "
+                                f"{twice:.4g} ({ratio:.2f}x) on the same batch repeated twice, where a mean-reduced "
+                                "loss gives the same value (likely cause: reduction='sum'; NE would be "
+                                "meaningless): use reduction='mean'")
+    return value
+
+
+def _doubled(output: Any, target: Tensor) -> tuple[Tensor, Tensor] | None:
+    if not isinstance(output, Tensor) or not isinstance(target, Tensor) or output.dim() == 0 or target.dim() == 0:
+        return None
+    if output.shape[0] != target.shape[0]:
+        return None
+    return torch.cat([output, output]), torch.cat([target, target])
+
+
+def _shape(x: Any) -> str:
+    if isinstance(x, Tensor):
+        return f"{tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}"
+    return shown(type(x).__name__)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:200] if text else type(e).__name__
+
+
+@contextlib.contextmanager
+def _quiet(model: nn.Module) -> Iterator[None]:
+    """Eval mode (no dropout, no BatchNorm statistics moved) and the RNG state restored."""
+    modes = {m: m.training for m in model.modules()}
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    model.eval()
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        for m, mode in modes.items():
+            m.training = mode

@@ -1,0 +1,215 @@
+"""GPU evidence for the NE gap (issue 17): the noise floor of each shipped space, and whether the
+search's short NE gap ranks plans as the confirmed (longer, several seeds) one does.
+
+    python scripts/ne_evidence.py --out "$OUT" [--repeats 3] [--rank-plans 12] [--scale 4] [--seeds 2]
+        [--spaces ctr,gpt-bf16,gpt-fp32,mlp,dlrm] [--steps-factor 1.0] [--rank-steps-factor 0.5]
+        [--time-limit 300] [--overrun 150] [--rank-arg train_batches=1700] [--smoke]
+    (or: OUT=out bash scripts/gpu_campaign.sh n)
+
+Part 1, the noise floor (erase_tune.noise.measure_noise_floor): for each shipped space, the
+baseline trained against itself for the space's trial training steps under perturbations that
+cannot matter (``--repeats`` other data orders, and the whole-step CUDA graph), at the space's
+workload arguments; gpt twice, with bf16 and with float32 compute; dlrm when the workload
+exists. Part 2, rank agreement on ``--rank-space`` (default ctr): ``--rank-plans`` distinct plans
+of the space (its seeds, then a seeded random sampler's), each plan's NE gap as the search
+measures it (one training of the trial's length, the trial's data order) and as quality
+confirmation does (``--scale`` times longer, ``--seeds`` data orders, with a 95% interval);
+Kendall's tau-b between the two, and every plan the short gap misjudges against the budget
+(beyond the noise) next to whether the confirmation catches it.
+
+Everything is one process on one device; the table goes to stdout and everything measured, with
+provenance, to ``$OUT/ne_evidence.json`` (written after each measurement, so a run cut short
+keeps what it measured). ``--time-limit`` skips what would start after that many seconds and
+the longer confirmation is shrunk (fewer orders, then a smaller scale) to end within
+``--overrun`` more, so the whole run stays under 8 minutes on one H200; ``--steps-factor``
+scales every training, ``--rank-steps-factor`` the rank agreement's further.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import optuna  # noqa: E402
+import yaml  # noqa: E402
+
+from erase_tune.noise import confirm_quality, exact_by_construction, feasible, measure_noise_floor  # noqa: E402
+from erase_tune.trial import Budget  # noqa: E402
+from erase_tune.tune.space import SearchSpace  # noqa: E402
+from erase_tune.workloads import BUILTINS, get_workload  # noqa: E402
+
+SPACES = {  # name: (space file, workload-argument overrides)
+    "ctr": ("ctr.yaml", {}),
+    "gpt-bf16": ("gpt.yaml", {"dtype": "bfloat16"}),
+    "gpt-fp32": ("gpt.yaml", {"dtype": "float32"}),
+    "mlp": ("mlp.yaml", {}),
+    "dlrm": ("dlrm.yaml", {}),
+}
+
+
+def _file(file: str, smoke: bool) -> str:
+    """``--smoke``: the space's small CPU variant (``ctr-smoke.yaml``), to try the script anywhere."""
+    return file.replace(".yaml", "-smoke.yaml") if smoke else file
+
+
+def _budget(space: SearchSpace, factor: float) -> Budget:
+    b = space.budget
+    quality = max(0, round((b.training_steps * factor) - b.warmup_steps - b.windows * b.window_steps))
+    return dataclasses.replace(b, quality_steps=quality)
+
+
+def _dump(out: Path, data: dict[str, Any]) -> None:
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    os.replace(tmp, out)
+
+
+def noise_floors(ns: argparse.Namespace, record: dict[str, Any], out: Path, started: float) -> None:
+    print(f"{'space':<10} {'steps':>6} {'band':>8}  gaps (kind)", flush=True)
+    for name in [s for s in ns.spaces.split(",") if s]:
+        if time.monotonic() - started > ns.time_limit:
+            record["noise_floor"][name] = {"skipped": "time limit"}
+            print(f"{name:<10} skipped: time limit", flush=True)
+            continue
+        file, overrides = SPACES[name]
+        path = ROOT / "search_spaces" / _file(file, ns.smoke)
+        if name == "dlrm" and ("dlrm" not in BUILTINS or not path.exists()):
+            record["noise_floor"][name] = {"skipped": "no dlrm workload or space in this tree"}
+            print(f"{name:<10} skipped: no dlrm workload", flush=True)
+            continue
+        space = SearchSpace.load(path)
+        args = {**space.workload_args, **overrides}
+        try:
+            workload = get_workload(space.workload, args)
+            t0 = time.monotonic()
+            floor = measure_noise_floor(workload, _budget(space, ns.steps_factor), repeats=ns.repeats,
+                                        device=ns.device)
+        except Exception as e:  # noqa: BLE001 - one space failing must not lose the others
+            record["noise_floor"][name] = {"failed": f"{type(e).__name__}: {e}"}
+            print(f"{name:<10} FAILED: {type(e).__name__}: {e}", flush=True)
+            continue
+        record["noise_floor"][name] = {**floor.to_dict(), "workload_args": {k: str(v) for k, v in args.items()},
+                                       "seconds": round(time.monotonic() - t0, 1)}
+        gaps = ", ".join(f"{g:+.3%} ({k})" for g, k in zip(floor.gaps, floor.kinds))
+        print(f"{name:<10} {floor.training_steps:>6} {floor.band:>8.3%}  {gaps}", flush=True)
+        _dump(out, record)
+
+
+def rank_agreement(ns: argparse.Namespace, record: dict[str, Any], out: Path, started: float) -> None:
+    from budget_rank_agreement import kendall_tau_b, pick_plans
+
+    file, overrides = SPACES[ns.rank_space]
+    space = SearchSpace.load(ROOT / "search_spaces" / _file(file, ns.smoke))
+    extra = {k: yaml.safe_load(v) for k, _, v in (a.partition("=") for a in ns.rank_arg)}
+    space = dataclasses.replace(space, workload_args={**space.workload_args, **overrides, **extra})
+    workload = get_workload(space.workload, space.workload_args)
+    budget = _budget(space, ns.steps_factor * ns.rank_steps_factor)
+    plans = {str(i): p for i, p in enumerate(pick_plans(space, ns.rank_plans))}
+    band = record["noise_floor"].get(ns.rank_space, {}).get("band", 0.0) or 0.0
+    rows: dict[str, dict[str, Any]] = {}
+    # The search's gap: one training of the trial's length, in the trial's order (scale 1, seed 1).
+    if time.monotonic() - started > ns.time_limit:
+        record["rank"] = {"skipped": "time limit"}
+        return
+    short = confirm_quality(workload, plans, budget=budget, scale=1, seeds=1, band=band, device=ns.device)
+    for name, p in plans.items():
+        rows[name] = {"plan": p.describe(), "exact": exact_by_construction(p), "search_ne_gap": short.plans[name].ne_gap}
+    record["rank"] = {"space": ns.rank_space, "max_ne_gap": space.max_ne_gap, "band": band, "plans": rows,
+                      "search_steps": short.steps, "provenance": dict(short.provenance)}
+    _dump(out, record)
+    # The longer run costs about scale x seeds times the short one: fit it in what is left.
+    short_s = float(short.provenance.get("duration_s") or 0.0)
+    left = ns.time_limit + ns.overrun - (time.monotonic() - started)
+    scale, seeds = ns.scale, ns.seeds
+    while short_s * scale * seeds > left and (seeds > 2 or scale > 2):
+        if seeds > 2:
+            seeds -= 1
+        else:
+            scale -= 1
+    if short_s * scale * seeds > left:
+        record["rank"]["confirmed"] = f"skipped: needs about {short_s * scale * seeds:.0f}s, {left:.0f}s left"
+        print(f"rank agreement: {record['rank']['confirmed']}", flush=True)
+        _dump(out, record)
+        return
+    if (scale, seeds) != (ns.scale, ns.seeds):
+        print(f"rank agreement: confirming at scale {scale} over {seeds} orders to fit the time left", flush=True)
+    ns.scale, ns.seeds = scale, seeds
+    long = confirm_quality(workload, plans, budget=budget, scale=ns.scale, seeds=ns.seeds, band=band,
+                           device=ns.device)
+    for name, c in long.plans.items():
+        rows[name].update({"confirmed_ne_gap": c.ne_gap, "lo": c.lo, "hi": c.hi, "per_seed": list(c.per_seed)})
+    cut = [n for n in rows if not rows[n]["exact"]]
+    a = [rows[n]["search_ne_gap"] for n in cut]
+    b = [rows[n]["confirmed_ne_gap"] for n in cut]
+    tau = kendall_tau_b(a, b) if len(cut) >= 2 else math.nan
+    misjudged = []
+    for n in cut:
+        said = feasible(rows[n]["search_ne_gap"], space.max_ne_gap, band)
+        truth = feasible(rows[n]["confirmed_ne_gap"], space.max_ne_gap, band)
+        if said != truth:
+            misjudged.append({"plan": n, "search_feasible": said, "confirmed_feasible": truth,
+                              "caught_by_confirmation": said and not truth})
+    record["rank"].update({"confirmed_steps": long.steps, "seeds": ns.seeds, "kendall_tau_b": tau,
+                           "plans_with_cuts": len(cut), "misjudged": misjudged,
+                           "confirmed_provenance": dict(long.provenance)})
+    _dump(out, record)
+    print(f"\nrank agreement on {ns.rank_space}: search ({short.steps} steps, trial order) against confirmed "
+          f"({long.steps} steps x {ns.seeds} orders), budget {space.max_ne_gap:.2%} + noise {band:.3%}")
+    print(f"{'plan':>4} {'search gap':>11} {'confirmed gap':>14} {'95% interval':>22}  plan")
+    for n, r in rows.items():
+        interval = f"[{r['lo']:+.3%}, {r['hi']:+.3%}]"
+        print(f"{n:>4} {r['search_ne_gap']:>+11.3%} {r['confirmed_ne_gap']:>+14.3%} {interval:>22}  "
+              f"{'(exact) ' if r['exact'] else ''}{r['plan'][:70]}")
+    print(f"Kendall tau-b over the {len(cut)} plans with cuts: {tau:.3f}; misjudged against the budget: "
+          f"{len(misjudged)} (all caught by the confirmation: {all(m['caught_by_confirmation'] for m in misjudged)})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="directory for ne_evidence.json (default $OUT)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--spaces", default="ctr,gpt-bf16,gpt-fp32,mlp,dlrm")
+    ap.add_argument("--repeats", type=int, default=3, help="data orders per noise floor (default 3)")
+    ap.add_argument("--rank-space", default="ctr", choices=sorted(SPACES))
+    ap.add_argument("--rank-plans", type=int, default=12)
+    ap.add_argument("--rank-arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="workload argument for the rank agreement (e.g. train_batches=1700: the longer training "
+                         "reads each batch once; a second pass over-fits a CTR model)")
+    ap.add_argument("--scale", type=int, default=4, help="confirmed training length / the trial's (default 4)")
+    ap.add_argument("--seeds", type=int, default=2, help="data orders of the confirmation (default 2)")
+    ap.add_argument("--steps-factor", type=float, default=1.0, help="scale every training length (default 1)")
+    ap.add_argument("--rank-steps-factor", type=float, default=0.5,
+                    help="scale the rank agreement's trainings further (default 0.5: 12 plans x 4 x 2 fit the time)")
+    ap.add_argument("--time-limit", type=float, default=300.0, help="start nothing new after this many seconds")
+    ap.add_argument("--overrun", type=float, default=150.0,
+                    help="seconds the last step may run past --time-limit (default 150: 7.5 minutes in all)")
+    ap.add_argument("--skip-rank", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="the *-smoke.yaml spaces (a dry run on a CPU)")
+    ns = ap.parse_args(argv)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    out = Path(ns.out) / "ne_evidence.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    record: dict[str, Any] = {"args": vars(ns), "noise_floor": {}}
+    noise_floors(ns, record, out, started)
+    if not ns.skip_rank:
+        rank_agreement(ns, record, out, started)
+    record["seconds"] = round(time.monotonic() - started, 1)
+    _dump(out, record)
+    print(f"\nwrote {out} ({record['seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
