@@ -21,7 +21,7 @@ from torch import Tensor
 
 from erase_tune.errors import WorkloadError, shown
 
-__all__ = ["NUM_DENSE", "NUM_SPARSE", "load_criteo_tsv"]
+__all__ = ["NUM_DENSE", "NUM_SPARSE", "load_criteo_tsv", "load_criteo_split"]
 
 NUM_DENSE = 13
 NUM_SPARSE = 26
@@ -83,3 +83,20 @@ def load_criteo_tsv(
         torch.tensor(sparse, dtype=torch.int64).unsqueeze(-1),
         torch.tensor(labels, dtype=torch.float32),
     )
+
+
+def load_criteo_split(path: str, *, rows: int, batch: int, train_batches: int, eval_batches: int,
+                      workload: str) -> tuple[tuple[Tensor, Tensor, Tensor], slice, slice]:
+    """Read up to ``(train_batches + eval_batches)·batch`` lines of a Criteo TSV and split them:
+    the last lines (``eval_batches``' share of what was read) are held out, so a short file
+    still gets a proportional split; the train pool keeps full batches only (static shapes for
+    CUDA graphs). Returns ``(dense, sparse, labels)`` and the train and held-out slices."""
+    want_train, want_eval = train_batches * batch, eval_batches * batch
+    dense, sparse, labels = load_criteo_tsv(path, rows=rows, max_lines=want_train + want_eval)
+    n = len(labels)
+    n_eval = max(1, round(n * want_eval / (want_train + want_eval)))
+    n_train = (n - n_eval) // batch * batch
+    if n_train == 0:
+        raise WorkloadError(f"workload {shown(workload)}: data {path!r} has {n} lines, too few for one training batch "
+                            f"of {batch} plus a held-out split")
+    return (dense, sparse, labels), slice(0, n_train), slice(n - n_eval, n)

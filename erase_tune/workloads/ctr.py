@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from erase_tune.errors import WorkloadError, shown
 from erase_tune.workloads import fused_if_cuda
 from erase_tune.workloads.base import Batch, Workload, WorkloadData, prior_entropy
-from erase_tune.workloads.criteo import NUM_DENSE, NUM_SPARSE, load_criteo_tsv
+from erase_tune.workloads.criteo import NUM_DENSE, NUM_SPARSE, load_criteo_split, load_criteo_tsv
 from erase_tune.workloads.limits import (
     CRITEO_BYTES_PER_LINE,
     CRITEO_MIN_LINE_BYTES,
@@ -402,30 +402,17 @@ def _synthetic_data(device: torch.device, *, args: dict[str, Any]) -> WorkloadDa
 
 
 def _criteo_data(device: torch.device, *, args: dict[str, Any]) -> WorkloadData:
-    """Train pool and held-out split from a Criteo TSV.
-
-    Reads up to (train_batches + eval_batches)·batch lines; the last lines (eval_batches'
-    share of what was read) are held out, so a short file still gets a proportional split.
-    The train pool keeps full batches only (static shapes for CUDA graphs).
-    """
-    batch, path = args["batch"], args["data"]
-    want_train, want_eval = args["train_batches"] * batch, args["eval_batches"] * batch
-    dense, sparse, labels = load_criteo_tsv(path, rows=args["rows"], max_lines=want_train + want_eval)
-    n = len(labels)
-    n_eval = max(1, round(n * want_eval / (want_train + want_eval)))
-    n_train = (n - n_eval) // batch * batch
-    if n_train == 0:
-        raise WorkloadError(
-            f"workload 'ctr': data {path!r} has {n} lines, too few for one training batch of {batch} "
-            f"plus a held-out split"
-        )
+    """Train pool and held-out split from a Criteo TSV (split by ``load_criteo_split``)."""
+    batch = args["batch"]
+    (dense, sparse, labels), train, held = load_criteo_split(
+        args["data"], rows=args["rows"], batch=batch, train_batches=args["train_batches"],
+        eval_batches=args["eval_batches"], workload="ctr")
     device = torch.device(device)
     dense, sparse, labels = dense.to(device), sparse.to(device), labels.to(device)
-    held = slice(n - n_eval, n)
     return WorkloadData(
-        train=_batches(dense[:n_train], sparse[:n_train], labels[:n_train], batch),
+        train=_batches(dense[train], sparse[train], labels[train], batch),
         eval=_batches(dense[held], sparse[held], labels[held], batch),
-        prior_entropy=prior_entropy(labels[:n_train]),
+        prior_entropy=prior_entropy(labels[train]),
     )
 
 

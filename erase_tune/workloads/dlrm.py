@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from erase_tune.errors import WorkloadError, shown
 from erase_tune.workloads.base import Batch, Workload, WorkloadData, prior_entropy
-from erase_tune.workloads.criteo import NUM_DENSE, NUM_SPARSE, load_criteo_tsv
+from erase_tune.workloads.criteo import NUM_DENSE, NUM_SPARSE, load_criteo_split, load_criteo_tsv
 from erase_tune.workloads.ctr import synthetic_ctr
 from erase_tune.workloads.limits import (
     CRITEO_BYTES_PER_LINE,
@@ -183,23 +183,16 @@ def _synthetic_example(device: torch.device, *, args: dict[str, Any]) -> Batch:
 def _criteo_data(device: torch.device, *, args: dict[str, Any]) -> WorkloadData:
     """Train pool and held-out split from a Criteo TSV, split as the ``ctr`` workload splits
     it: the last lines read are held out; the train pool keeps full batches only."""
-    batch, path = args["batch"], args["data"]
-    want_train, want_eval = args["train_batches"] * batch, args["eval_batches"] * batch
-    dense, sparse, labels = load_criteo_tsv(path, rows=args["rows"], max_lines=want_train + want_eval)
-    n = len(labels)
-    n_eval = max(1, round(n * want_eval / (want_train + want_eval)))
-    n_train = (n - n_eval) // batch * batch
-    if n_train == 0:
-        raise WorkloadError(
-            f"workload 'dlrm': data {path!r} has {n} lines, too few for one training batch of {batch} "
-            f"plus a held-out split"
-        )
+    batch = args["batch"]
+    (dense, sparse, labels), train, held = load_criteo_split(
+        args["data"], rows=args["rows"], batch=batch, train_batches=args["train_batches"],
+        eval_batches=args["eval_batches"], workload="dlrm")
     device = torch.device(device)
     dense, ids, labels = dense.to(device), sparse[:, :, 0].to(device), labels.to(device)
     return WorkloadData(
-        train=_batches(dense[:n_train], ids[:n_train], labels[:n_train], batch),
-        eval=_batches(dense[n - n_eval :], ids[n - n_eval :], labels[n - n_eval :], batch),
-        prior_entropy=prior_entropy(labels[:n_train]),
+        train=_batches(dense[train], ids[train], labels[train], batch),
+        eval=_batches(dense[held], ids[held], labels[held], batch),
+        prior_entropy=prior_entropy(labels[train]),
     )
 
 
