@@ -163,8 +163,24 @@ def _check_stream(value: Any, low: int) -> None:
         raise PlanError(f"stream: {shown(value)} must be an integer in {low}..{MAX_STREAMS}")
 
 
+class _Element:
+    """What every plan element shares: it names a module (or a run of blocks) of the model."""
+
+    module: str
+
+    @property
+    def name(self) -> str:
+        """The element's name: its module target, as written."""
+        return self.module
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """The submodule names this element covers, in call order (for a plan checked against its model)."""
+        return members_of(self.module)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Cut:
+class Cut(_Element):
     """One detached piece of the model."""
 
     module: str
@@ -195,19 +211,9 @@ class Cut:
         if not isinstance(self.graph, bool):
             raise PlanError(f"graph: {shown(self.graph)} must be true or false")
 
-    @property
-    def name(self) -> str:
-        """The cut's name: its module target, as written."""
-        return self.module
-
-    @property
-    def members(self) -> tuple[str, ...]:
-        """The submodule names this cut covers, in call order (for a plan checked against its model)."""
-        return members_of(self.module)
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Placement:
+class Placement(_Element):
     """A piece run on a side stream as it is: not detached, no aux head, gradients unchanged."""
 
     module: str
@@ -221,19 +227,9 @@ class Placement:
             raise PlanError("stream: 0 is the main stream; a placement needs a side stream 1..num_streams")
         _check_stream(self.stream, 1)
 
-    @property
-    def name(self) -> str:
-        """The placement's name: its module target, as written."""
-        return self.module
-
-    @property
-    def members(self) -> tuple[str, ...]:
-        """The submodule names this placement covers, in call order (for a checked plan)."""
-        return members_of(self.module)
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Graphed:
+class Graphed(_Element):
     """A piece captured as a CUDA graph (forward and backward) and replayed inside an eager step.
 
     Not detached, no aux head: gradients equal the plain step's. The piece must take tensors
@@ -250,16 +246,6 @@ class Graphed:
     def __post_init__(self) -> None:
         _check_target(self.module)
         _check_stream(self.stream, 0)
-
-    @property
-    def name(self) -> str:
-        """The piece's name: its module target, as written."""
-        return self.module
-
-    @property
-    def members(self) -> tuple[str, ...]:
-        """The submodule names this piece covers, in call order (for a checked plan)."""
-        return members_of(self.module)
 
 
 Target = Cut | Placement | Graphed
