@@ -78,7 +78,7 @@ def _check_output_dir(path: str, storage: str | None, *, names: Any) -> None:
     from pathlib import Path
 
     from erase_tune._files import check_output
-    from erase_tune.tune.export import storage_files
+    from erase_tune.tune.views.export import storage_files
 
     protect = storage_files(storage)
     check_output(path, flag="-o", protect=protect, directory=True)
@@ -94,7 +94,7 @@ def cmd_trial(ns: argparse.Namespace) -> int:
     from erase_tune.errors import PlanError
     from erase_tune.runtime import ErasePlan
     from erase_tune.trial import run_trial
-    from erase_tune.tune.tables import trial_table
+    from erase_tune.tune.views.tables import trial_table
     from erase_tune.workloads import get_workload
 
     _check_noise_flag(ns)
@@ -176,8 +176,8 @@ def cmd_bench(ns: argparse.Namespace) -> int:
 
 
 def cmd_start(ns: argparse.Namespace) -> int:
-    from erase_tune.tune.job import start_job
-    from erase_tune.tune.tables import progress_line, start_summary
+    from erase_tune.tune.run.job import start_job
+    from erase_tune.tune.views.tables import progress_line, start_summary
 
     summary = start_job(ns.space, study_name=ns.study, trials=ns.trials, storage=ns.storage,
                         ray_address=ns.ray_address, slots=ns.slots, working_dir=ns.working_dir,
@@ -198,7 +198,7 @@ def cmd_start(ns: argparse.Namespace) -> int:
 
 
 def cmd_status(ns: argparse.Namespace) -> int:
-    from erase_tune.tune.status import job_status, list_jobs, trial_detail
+    from erase_tune.tune.views.status import job_status, list_jobs, trial_detail
 
     if ns.trial is not None:
         detail = trial_detail(ns.storage, ns.study, ns.trial)
@@ -219,8 +219,8 @@ def cmd_status(ns: argparse.Namespace) -> int:
 
 
 def cmd_export(ns: argparse.Namespace) -> int:
-    from erase_tune.tune.export import export_plan
-    from erase_tune.tune.remote import confirming_executor
+    from erase_tune.tune.views.export import export_plan
+    from erase_tune.tune.run.remote import confirming_executor
 
     factory = confirming_executor(ns.ray_address, ns.working_dir, ns.py_module)
     done = export_plan(ns.storage, ns.study, ns.output, max_ne_gap=ns.max_ne_gap, pick=ns.pick,
@@ -250,7 +250,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
 
 
 def cmd_report(ns: argparse.Namespace) -> int:
-    from erase_tune.tune.html_report import _FILES, report
+    from erase_tune.tune.views.html_report import _FILES, report
 
     _check_output_dir(ns.output, ns.storage, names=_FILES.values())
     files = report(ns.storage, ns.study, ns.output)
@@ -259,7 +259,7 @@ def cmd_report(ns: argparse.Namespace) -> int:
 
 
 def cmd_dashboard(ns: argparse.Namespace) -> int:
-    from erase_tune.tune.dashboard import serve
+    from erase_tune.tune.views.dashboard import serve
 
     serve(ns.storage, host=ns.host, port=ns.port)
     return 0

@@ -18,8 +18,8 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from erase_tune.runtime import ErasePlan  # noqa: E402
-from erase_tune.tune.checks import check_space  # noqa: E402
-from erase_tune.tune.space import SearchSpace, plan_params  # noqa: E402
+from erase_tune.tune.search.checks import check_space  # noqa: E402
+from erase_tune.tune.search.space import SearchSpace, plan_params  # noqa: E402
 
 
 def main() -> int:

@@ -46,7 +46,7 @@ import yaml  # noqa: E402
 
 from erase_tune.noise import confirm_quality, exact_by_construction, feasible, measure_noise_floor  # noqa: E402
 from erase_tune.trial import Budget  # noqa: E402
-from erase_tune.tune.space import SearchSpace  # noqa: E402
+from erase_tune.tune.search.space import SearchSpace  # noqa: E402
 from erase_tune.workloads import BUILTINS, get_workload  # noqa: E402
 
 SPACES = {  # name: (space file, workload-argument overrides)

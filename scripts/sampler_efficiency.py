@@ -5,7 +5,7 @@ every sampler, over several seeds, on a table of plans measured on the GPU.
         --space search_spaces/ctr-replay.yaml [--trials 60] [--seeds 3] [--out results.json]
 
 Every number this prints is a REPLAY: the studies are real Optuna studies over the space,
-but each proposed plan is answered from the table (erase_tune.tune.replay). The reference
+but each proposed plan is answered from the table (erase_tune.tune.search.replay). The reference
 point of the hypervolume is (QPS gain 0, NE gap = the space's budget). The default sampler
 must reach, within 20 measured trials, the hypervolume random search has after 60.
 """
@@ -18,10 +18,10 @@ import statistics
 import sys
 from pathlib import Path
 
-from erase_tune.tune.checks import check_space
-from erase_tune.tune.replay import ReplayTable, replay_study
-from erase_tune.tune.space import SearchSpace
-from erase_tune.tune.study import SAMPLERS
+from erase_tune.tune.search.checks import check_space
+from erase_tune.tune.search.replay import ReplayTable, replay_study
+from erase_tune.tune.search.space import SearchSpace
+from erase_tune.tune.search.study import SAMPLERS
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -58,9 +58,9 @@ from erase_tune.cli import main
 from erase_tune.errors import EraseTuneError, PlanError
 from erase_tune.runtime import EraseEngine, ErasePlan
 from erase_tune.runtime.probe import probe
-from erase_tune.tune.checks import check_space
-from erase_tune.tune.space import SearchSpace, SpaceError
-from erase_tune.tune.study import make_sampler
+from erase_tune.tune.search.checks import check_space
+from erase_tune.tune.search.space import SearchSpace, SpaceError
+from erase_tune.tune.search.study import make_sampler
 from erase_tune.workloads import get_workload
 from tests.hostile_inputs import (
     CTR_NAMES,
@@ -168,10 +168,10 @@ def bounds(pytestconfig: pytest.Config) -> Iterator[Bounds]:
     import ray  # noqa: F401
 
     import erase_tune.bench
-    import erase_tune.tune.figures
-    import erase_tune.tune.html_report
-    import erase_tune.tune.job
-    import erase_tune.tune.remote  # noqa: F401
+    import erase_tune.tune.views.figures
+    import erase_tune.tune.views.html_report
+    import erase_tune.tune.run.job
+    import erase_tune.tune.run.remote  # noqa: F401
 
     # The first figure a process draws loads matplotlib's fonts (seconds on a loaded machine):
     # done here, so a report case is timed for the report, not for the fonts.

@@ -47,7 +47,7 @@ from hypothesis import strategies as st
 from erase_tune.cli import main
 from erase_tune.errors import EraseTuneError
 from erase_tune.runtime import ErasePlan
-from erase_tune.tune.space import SearchSpace
+from erase_tune.tune.search.space import SearchSpace
 from tests.test_hostile import SPACE, Bounds, _Hung, _say, one_line, profile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,8 +84,8 @@ class Cases(Bounds):
 
 @pytest.fixture(scope="module")
 def bounds(pytestconfig: pytest.Config) -> Iterator[Cases]:
-    import erase_tune.tune.export
-    import erase_tune.tune.html_report  # noqa: F401 - imported before the RSS baseline
+    import erase_tune.tune.views.export
+    import erase_tune.tune.views.html_report  # noqa: F401 - imported before the RSS baseline
 
     yield Cases(lambda line: _say(pytestconfig, line))
 

@@ -9,7 +9,7 @@ from erase_tune.bench import HOST_ROWS, PLAIN, cheapest, run_bench
 from erase_tune.cli import main
 from erase_tune.runtime import Cut, ErasePlan
 from erase_tune.trial import Budget, reference_capture_error, run_trial
-from erase_tune.tune.tables import trial_table
+from erase_tune.tune.views.tables import trial_table
 from tests.host_index import HostIndexNet, workload
 
 BUDGET = Budget(warmup_steps=5, windows=2, window_steps=2, quality_steps=2)

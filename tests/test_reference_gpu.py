@@ -11,7 +11,7 @@ from erase_tune.bench import GRAPH, HOST_ROWS, run_bench
 from erase_tune.cli import main
 from erase_tune.runtime import Cut, ErasePlan
 from erase_tune.trial import Budget, reference_capture_error, run_trial
-from erase_tune.tune.tables import trial_table
+from erase_tune.tune.views.tables import trial_table
 from erase_tune.workloads import get_workload
 from tests.host_index import workload
 

@@ -1,17 +1,15 @@
-"""The tuning service: search spaces, the Optuna study, Ray trial workers, the job loop.
+"""The tuning service: a thin layer over the library (``runtime``, ``workloads``, ``measure``,
+``trial``, ``confirm``, ``noise``), in four rooms, read in this order:
 
-A thin layer over the library (``runtime``, ``workloads``, ``measure``, ``trial``,
-``confirm``), read in this order:
+- :mod:`~erase_tune.tune.search`: which plans a study may propose (the space file, the space and
+  its codec to and from Optuna parameters, its checks against the model), the samplers, and
+  the Optuna study;
+- :mod:`~erase_tune.tune.run`: ``erase-tune start`` — set-up and resume, the ask → submit → tell
+  loop of each driver, recording outcomes, the journal, the confirmations before export;
+- :mod:`~erase_tune.tune.execute`: trials on Ray — the spec a worker runs and the outcome it
+  returns, warm actors, the executor, multi-rank trials;
+- :mod:`~erase_tune.tune.views`: reading a job back — status, export, report, dashboard.
 
-- ``space`` / ``space_file``: which plans a study may propose; ``checks``: a space checked
-  against its model before any trial runs;
-- ``job``: ``erase-tune start`` — set-up and resume policy; ``loop``: ask → submit → tell,
-  shared by any number of drivers; ``record``: an outcome into the study and the tables;
-  ``journal``: outcomes kept on local disk while the storage is away;
-- ``worker`` / ``outcome``: what runs in a trial worker and the typed outcome it returns;
-  ``workers`` / ``executor``: warm Ray worker groups, one per trial slot; ``reaper``: the
-  private local Ray dies with its driver;
-- ``study``: objective and attribute names, samplers, the Pareto front;
-- ``status``, ``export`` (with the confirming re-measurement), ``remote``, ``tables``,
-  ``dashboard``: reading a job back.
+Each room imports from the ones above it in this list only where it must: ``views`` and
+``run`` use ``search`` and ``execute``; ``execute`` and ``search`` use neither.
 """

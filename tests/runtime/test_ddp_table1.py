@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from erase_tune.tune.space import SearchSpace
+from erase_tune.tune.search.space import SearchSpace
 from tests.tune.faulty import TINY_CTR
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,8 +5,6 @@ nothing already stored is lost (a finished job stays finished, with all its tria
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import optuna

@@ -9,8 +9,8 @@ import optuna
 from optuna.trial import TrialState, create_trial
 
 from erase_tune.store import Store
-from erase_tune.tune.loop import SYSTEMATIC_FAILURES, systematic_failure
-from erase_tune.tune.study import Attr, open_study
+from erase_tune.tune.run.loop import SYSTEMATIC_FAILURES, systematic_failure
+from erase_tune.tune.search.study import Attr, open_study
 from tests.tune.conftest import run_cli
 from tests.tune.faulty import write_space
 

@@ -14,8 +14,8 @@ import pytest
 
 from erase_tune.runtime import Cut, ErasePlan
 from erase_tune.store import Store
-from erase_tune.tune.export import NoConfirmedGain, export_plan
-from erase_tune.tune.study import CONSTRAINTS, DIRECTIONS, METRIC_NAMES, Attr, constraint
+from erase_tune.tune.views.export import NoConfirmedGain, export_plan
+from erase_tune.tune.search.study import CONSTRAINTS, DIRECTIONS, METRIC_NAMES, Attr, constraint
 from tests.tune.conftest import SMOKE
 
 BUDGET, BAND = 0.02, 0.005

@@ -45,7 +45,7 @@ def cpu_head(tmp_path):
 _WAIT = """
 import json, sys, time
 from erase_tune.errors import EraseTuneError
-from erase_tune.tune.executor import RayExecutor
+from erase_tune.tune.execute.executor import RayExecutor
 executor = RayExecutor(sys.argv[1], workload="ctr", device="cuda", slots=1, gpu_wait_s=float(sys.argv[2]))
 started = time.monotonic()
 try:

@@ -10,10 +10,10 @@ from optuna.trial import TrialState
 from erase_tune.runtime import ErasePlan
 from erase_tune.store import Store
 from erase_tune.store.storage import open_storage
-from erase_tune.tune.executor import RayExecutor
-from erase_tune.tune.export import confirm_quality_front
-from erase_tune.tune.space import SearchSpace
-from erase_tune.tune.study import pareto_front
+from erase_tune.tune.execute.executor import RayExecutor
+from erase_tune.tune.run.confirm import confirm_quality_front
+from erase_tune.tune.search.space import SearchSpace
+from erase_tune.tune.search.study import pareto_front
 from tests.tune.conftest import run_cli
 from tests.tune.faulty import write_space
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import optuna
 
-from erase_tune.tune.executor import RayExecutor
-from erase_tune.tune.study import Attr
-from erase_tune.tune.worker import ReferenceSpec
+from erase_tune.tune.execute.executor import RayExecutor
+from erase_tune.tune.search.study import Attr
+from erase_tune.tune.execute.task import ReferenceSpec
 from tests.tune.conftest import run_cli
 from tests.tune.faulty import TINY_CTR, write_space
 

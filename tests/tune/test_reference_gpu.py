@@ -14,7 +14,7 @@ import pytest
 import yaml
 from optuna.trial import TrialState
 
-from erase_tune.tune.study import Attr
+from erase_tune.tune.search.study import Attr
 from tests.tune.conftest import run_cli
 
 pytestmark = pytest.mark.gpu

@@ -7,9 +7,9 @@ import json
 import pytest
 
 from erase_tune.errors import EraseTuneError
-from erase_tune.tune.checks import check_space
-from erase_tune.tune.replay import ReplayTable, replay_study, space_plans
-from erase_tune.tune.space import SearchSpace
+from erase_tune.tune.search.checks import check_space
+from erase_tune.tune.search.replay import ReplayTable, replay_study, space_plans
+from erase_tune.tune.search.space import SearchSpace
 from tests.tune.faulty import TINY_CTR
 
 SPACE = f"""

@@ -17,9 +17,9 @@ import pytest
 from PIL import Image
 
 from erase_tune.errors import EraseTuneError
-from erase_tune.tune.html_report import ReportFiles, report, write_report
-from erase_tune.tune.report_data import front_within_budget, read_records
-from erase_tune.tune.hypervolume import hypervolume, hypervolume_history
+from erase_tune.tune.views.html_report import ReportFiles, report, write_report
+from erase_tune.tune.views.report_data import front_within_budget, read_records
+from erase_tune.tune.search.hypervolume import hypervolume, hypervolume_history
 from tests.tune.conftest import ROOT
 from tests.tune.studies import FRONT, MAX_NE_GAP, MEASURED, STUDY_NAME, write_finished_study
 

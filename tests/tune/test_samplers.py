@@ -6,8 +6,8 @@ import pytest
 from optuna.trial import TrialState
 
 from erase_tune.store.storage import open_storage
-from erase_tune.tune.space import SearchSpace, plan_key
-from erase_tune.tune.study import CONSTRAINTS, SAMPLERS, Attr, make_sampler, open_study, pareto_front
+from erase_tune.tune.search.space import SearchSpace, plan_key
+from erase_tune.tune.search.study import CONSTRAINTS, SAMPLERS, Attr, make_sampler, open_study, pareto_front
 from tests.tune.test_space import CANDIDATES, SPACE
 
 
@@ -42,7 +42,7 @@ def test_the_front_sampler_changes_one_parameter_of_a_measured_trial():
     draws follow); the optimum is found within 20 trials."""
     import optuna
 
-    from erase_tune.tune.samplers import FrontSampler
+    from erase_tune.tune.search.samplers import FrontSampler
 
     def objective(params: dict) -> tuple[float, float]:
         x = [params[f"x{i}"] for i in range(5)]
@@ -71,7 +71,7 @@ def test_the_front_sampler_combines_moves_it_has_seen_help():
     a change measured to cost more NE than the budget allows is not applied elsewhere."""
     import optuna
 
-    from erase_tune.tune.samplers import FrontSampler
+    from erase_tune.tune.search.samplers import FrontSampler
 
     gains = {"a": 0.05, "b": 0.04, "c": 0.10}
     gaps = {"a": 0.0, "b": 0.0, "c": 0.03}  # "c" is fast but over the 1% budget
@@ -100,7 +100,7 @@ def test_the_front_sampler_reads_the_budget_from_the_constraint():
     (``ne_gap - max_ne_gap``): the same proposals as when told."""
     import optuna
 
-    from erase_tune.tune.samplers import FrontSampler
+    from erase_tune.tune.search.samplers import FrontSampler
 
     def run(sampler: FrontSampler) -> list[dict]:
         study = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
@@ -122,7 +122,7 @@ def test_the_front_sampler_proposes_plans_not_seen_before():
 
     import optuna
 
-    from erase_tune.tune.samplers import FrontSampler
+    from erase_tune.tune.search.samplers import FrontSampler
 
     def distinct(sampler: optuna.samplers.BaseSampler) -> int:
         study = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
@@ -142,8 +142,8 @@ def test_the_front_sampler_tells_plans_apart_by_the_space_not_by_parameters():
     """Several parameter sets make one plan (streams are renumbered in a plan's canonical
     form): given the space's ``plan_key``, the front sampler proposes a new plan every time
     (on the GPU, without it, 20 measured trials of the CTR space took 71 proposals)."""
-    from erase_tune.tune.samplers import FrontSampler
-    from erase_tune.tune.space import plan_key
+    from erase_tune.tune.search.samplers import FrontSampler
+    from erase_tune.tune.search.space import plan_key
 
     space = SearchSpace.loads(SPACE, source="test.yaml")
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from erase_tune.tune.checks import check_space
-from erase_tune.tune.space import SearchSpace
+from erase_tune.tune.search.checks import check_space
+from erase_tune.tune.search.space import SearchSpace
 
 SPACES = sorted((Path(__file__).resolve().parents[2] / "search_spaces").glob("*.yaml"))
 

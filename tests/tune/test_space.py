@@ -6,7 +6,7 @@ import optuna
 import pytest
 
 from erase_tune.runtime import Cut, ErasePlan, Placement
-from erase_tune.tune.space import SearchSpace, SpaceError, plan_params
+from erase_tune.tune.search.space import SearchSpace, SpaceError, plan_params
 
 CANDIDATES = ["subarchs.0", "subarchs.1", "subarchs.2", "subarchs.3"]
 
@@ -181,7 +181,7 @@ def test_plan_params_rejects_plans_outside_the_space():
 
 def test_objective_follows_gain_over():
     from erase_tune.errors import EraseTuneError
-    from erase_tune.tune.study import objective_values
+    from erase_tune.tune.search.study import objective_values
 
     metrics = {"gain_vs_eager": 0.5, "gain_vs_graph": 0.05, "ne_gap": 0.01}
     assert objective_values(metrics, "eager") == [0.5, 0.01]

@@ -10,8 +10,8 @@ import pytest
 
 from erase_tune.errors import EraseTuneError
 from erase_tune.runtime import Cut, ErasePlan, Graphed, Placement
-from erase_tune.tune.checks import check_space
-from erase_tune.tune.space import SearchSpace, SpaceError, plan_key, plan_params
+from erase_tune.tune.search.checks import check_space
+from erase_tune.tune.search.space import SearchSpace, SpaceError, plan_key, plan_params
 
 DLRM = "workload: {name: dlrm, args: {batch: 32, rows: 50, emb_dim: 4, num_tables: 4, bot_mlp: '16-4', " \
        "top_mlp: '16-8-1', train_batches: 4, eval_batches: 2}}\n"
@@ -191,7 +191,7 @@ def test_a_listed_candidate_that_cannot_be_detached_is_refused_in_one_line(candi
 
 
 def test_a_finite_space_enumerates_each_candidates_own_modes() -> None:
-    from erase_tune.tune.replay import space_plans
+    from erase_tune.tune.search.replay import space_plans
 
     s = space(SPACE.split("seeds:")[0].replace("max_streams: 2", "max_streams: 2\n  streams: round_robin")
               .replace("dispatch: [blocking, threaded]", "dispatch: [blocking]")

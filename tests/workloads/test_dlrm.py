@@ -196,7 +196,7 @@ def test_bad_arguments_are_one_line() -> None:
             emb_dim=8)
     _raises(r"argument 'top_mlp' must be layer sizes ending in 1 .*, got '64-2'$", top_mlp="64-2")
     for bad in ("", "512--1", "512-x-1", "1e3-1", "-1", " 1", "1-0", "70000-1", "-".join(["4"] * 65), "1" * 500):
-        _raises(rf"argument 'top_mlp' must be layer sizes like '512-256-128' \(at most 64 layers of 1..65536\)",
+        _raises(r"argument 'top_mlp' must be layer sizes like '512-256-128' \(at most 64 layers of 1..65536\)",
                 top_mlp=bad)
     _raises(r"argument 'batch' must be an integer >= 1, got 0$", batch=0)
     _raises(r"argument 'num_tables' must be an integer <= 1024, got 1025$", num_tables=1025)

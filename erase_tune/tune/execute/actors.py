@@ -22,8 +22,8 @@ import time
 from typing import Any
 
 from erase_tune.errors import first_line
-from erase_tune.tune.outcome import ConfirmOutcome, Failure, TrialOutcome, WorkerInfo
-from erase_tune.tune.worker import (
+from erase_tune.tune.execute.outcome import ConfirmOutcome, Failure, TrialOutcome, WorkerInfo
+from erase_tune.tune.execute.task import (
     ConfirmSpec,
     ReferenceOutcome,
     ReferenceSpec,
@@ -58,7 +58,7 @@ class TrialWorker:
             return TrialOutcome(trial_number=spec.trial_number, failure=self.failure)
         if world == 1:
             return run_spec(spec, info=self._where)
-        from erase_tune.tune.distributed import run_rank
+        from erase_tune.tune.execute.distributed import run_rank
 
         return run_rank(spec, rank=rank, world=world, rendezvous=rendezvous, info=self._where)
 
@@ -67,7 +67,7 @@ class TrialWorker:
             return ConfirmOutcome(failure=self.failure)
         if world == 1:
             return run_confirm(spec, info=self._where)
-        from erase_tune.tune.distributed import run_confirm_rank
+        from erase_tune.tune.execute.distributed import run_confirm_rank
 
         return run_confirm_rank(spec, rank=rank, world=world, rendezvous=rendezvous, info=self._where)
 

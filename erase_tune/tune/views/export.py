@@ -29,16 +29,13 @@ from erase_tune.errors import EraseTuneError, one_line, shown
 from erase_tune.runtime import ErasePlan
 from erase_tune.store import Confirmation, QualityConfirmation, default_storage_url
 from erase_tune.store.storage import Storage, open_storage
-from erase_tune.tune.space import SearchSpace
-from erase_tune.tune.study import Attr, FrontPoint, noise_band, pareto_front
-from erase_tune.tune.worker import ConfirmSpec
+from erase_tune.tune.search.space import SearchSpace
+from erase_tune.tune.run.confirm import MAX_CONFIRMED, confirm_front, confirm_quality_front, quality_refused, with_quality
+from erase_tune.tune.search.study import Attr, FrontPoint, load_study, noise_band, pareto_front
 
-__all__ = ["PICKS", "NoConfirmedGain", "Exported", "confirm_front", "confirm_quality_front", "export_plan",
-           "pick_point", "load_study", "quality_refused", "storage_files", "with_quality"]
+__all__ = ["PICKS", "NoConfirmedGain", "Exported", "export_plan", "pick_point", "storage_files"]
 
 PICKS = ("max-gain", "knee")
-MAX_CONFIRMED = 5
-"""Front plans re-measured at most (best search gains first): one process holds them all."""
 
 
 class NoConfirmedGain(EraseTuneError):
@@ -53,90 +50,6 @@ class Exported:
     point: FrontPoint
     confirmation: Confirmation | None
     confirmations: dict[int, Confirmation]
-
-
-def load_study(db: Storage, study_name: str | None) -> optuna.Study:
-    """An existing study; without a name, the only study in the storage."""
-    names = [s.study_name for s in optuna.get_all_study_summaries(db.optuna, include_best_trial=False)]
-    if study_name is None:
-        if len(names) != 1:
-            raise EraseTuneError(f"--study is needed: {db.url} holds {len(names)} studies ({', '.join(names) or 'none'})")
-        study_name = names[0]
-    if study_name not in names:
-        raise EraseTuneError(f"no study named {shown(study_name)} in {db.url} (studies: {', '.join(names) or 'none'})")
-    return optuna.load_study(study_name=study_name, storage=db.optuna)
-
-
-def confirm_front(db: Storage, study: optuna.Study, space_like: Any, executor: Any, front: list[FrontPoint], *,
-                  windows: int) -> dict[int, tuple[float, float, float]]:
-    """Re-measure the best ``MAX_CONFIRMED`` front plans on ``executor`` and store the results."""
-    job = db.store.get_job(study.study_name)
-    points = front[:MAX_CONFIRMED]
-    wl = study.user_attrs[Attr.WORKLOAD]
-    budget = dataclasses.asdict(space_like.budget)
-    spec = ConfirmSpec(workload=wl["name"], workload_args=wl["args"], plans={str(p.number): p.plan for p in points},
-                       budget=budget, windows=windows, gain_over=study.user_attrs.get(Attr.GAIN_OVER, "eager"))
-    outcome = executor.confirm(spec, timeout=float(space_like.timeout_s) * 2)
-    if outcome.result is None:
-        raise EraseTuneError(f"confirmation of the front failed: {outcome.failure.reason}")
-    res = outcome.result
-    out = {}
-    for p in points:
-        c = res.plans[str(p.number)]
-        if job is not None:
-            db.store.record_confirmation(job, p.number, plan_yaml=ErasePlan.from_dict(p.plan).dumps(),
-                                         gain_over=res.gain_over, windows=res.windows, gain=c.gain, gain_lo=c.lo,
-                                         gain_hi=c.hi, samples={k: v for k, v in res.samples.items()
-                                                                if k in ("baseline", str(p.number))},
-                                         provenance={**res.provenance, "is_baseline": c.is_baseline})
-        out[p.number] = (c.gain, c.lo, c.hi)
-    return out
-
-
-def with_quality(space: Any, scale: int | None, seeds: int | None) -> Any:
-    """``space`` with its budget's quality confirmation overridden (``--quality-scale``,
-    ``--quality-seeds``; None keeps the space's)."""
-    changes = {k: v for k, v in (("quality_scale", scale), ("quality_seeds", seeds)) if v is not None}
-    if not changes:
-        return space
-    return dataclasses.replace(space, budget=dataclasses.replace(space.budget, **changes))
-
-
-def confirm_quality_front(db: Storage, study: optuna.Study, space_like: Any, executor: Any,
-                          front: list[FrontPoint]) -> dict[int, QualityConfirmation]:
-    """Train the first ``MAX_CONFIRMED`` of ``front`` (the plans that could be exported: their
-    gain is confirmed) longer over several seeds (erase_tune.noise.confirm_quality, the space's
-    ``budget.quality_scale`` and ``quality_seeds``) and store the NE gaps with their intervals;
-    nothing when the space turns quality confirmation off. Plans with no cuts are not trained."""
-    budget = space_like.budget
-    if not getattr(budget, "quality_scale", 0) or not front:
-        return {}
-    job = db.store.get_job(study.study_name)
-    points = front[:MAX_CONFIRMED]
-    wl = study.user_attrs[Attr.WORKLOAD]
-    band = noise_band(study)
-    spec = ConfirmSpec(workload=wl["name"], workload_args=wl["args"], plans={str(p.number): p.plan for p in points},
-                       budget=dataclasses.asdict(budget), windows=0,
-                       gain_over=study.user_attrs.get(Attr.GAIN_OVER, "eager"), task="quality", band=band)
-    runs = (len(points) + 1) * budget.quality_seeds * budget.quality_scale
-    outcome = executor.confirm(spec, timeout=float(space_like.timeout_s) * max(2, runs))
-    if outcome.result is None:
-        raise EraseTuneError(f"quality confirmation of the front failed: {outcome.failure.reason}")
-    res = outcome.result
-    out = {}
-    for p in points:
-        c = res.plans[str(p.number)]
-        if job is not None:
-            out[p.number] = db.store.record_quality(
-                job, p.number, plan_yaml=ErasePlan.from_dict(p.plan).dumps(), steps=res.steps,
-                seeds=len(res.seeds), ne_gap=c.ne_gap, ne_gap_lo=c.lo, ne_gap_hi=c.hi, per_seed=c.per_seed,
-                exact=c.exact, band=band, provenance={**res.provenance, "ne_baseline": list(res.ne_baseline)})
-    return out
-
-
-def quality_refused(q: QualityConfirmation | None, max_ne_gap: float, band: float) -> bool:
-    """A confirmed NE gap above the budget beyond the noise: the plan is not exported."""
-    return q is not None and not q.exact and q.ne_gap > max_ne_gap + band
 
 
 def pick_point(front: list[FrontPoint], pick: str, gains: dict[int, float] | None = None) -> FrontPoint:

@@ -109,7 +109,7 @@ class SearchSpace:
     @classmethod
     def loads(cls, text: str, source: str = "<space>", base: Path | None = None) -> SearchSpace:
         """Parse a space; relative paths in it are resolved against ``base``."""
-        from erase_tune.tune.space_file import parse
+        from erase_tune.tune.search.space_file import parse
 
         data = load_yaml(text, source, SpaceError)
         source = one_line(source, 300)  # it prefixes every message about this space
@@ -134,7 +134,7 @@ class SearchSpace:
         """Define-by-run: ask ``trial`` (an Optuna trial) for one plan of this space.
 
         ``can_detach(cuts so far, candidate)`` says whether detaching the candidate now would
-        leave a parameter untrained (see :mod:`erase_tune.tune.checks`); where it would, the
+        leave a parameter untrained (see :mod:`erase_tune.tune.search.checks`); where it would, the
         candidate is only offered its other modes (under another parameter name, so every
         name keeps one set of choices)."""
         whole = _choose(trial, "whole_step_graph", self.whole_step_graph)

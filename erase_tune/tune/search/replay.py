@@ -25,9 +25,9 @@ import optuna
 
 from erase_tune.errors import EraseTuneError
 from erase_tune.runtime import ErasePlan
-from erase_tune.tune.hypervolume import hypervolume_history
-from erase_tune.tune.space import Guard, SearchSpace, plan_key
-from erase_tune.tune.study import DIRECTIONS, make_sampler
+from erase_tune.tune.search.hypervolume import hypervolume_history
+from erase_tune.tune.search.space import Guard, SearchSpace, plan_key
+from erase_tune.tune.search.study import DIRECTIONS, make_sampler
 
 __all__ = ["ReplayTable", "replay_study", "ReplayRun", "space_plans"]
 
@@ -97,7 +97,7 @@ def replay_study(space: SearchSpace, candidates: Sequence[str], table: ReplayTab
     chosen = make_sampler(sampler, seed, max_ne_gap=space.max_ne_gap, plan_key=plan_key(space, candidates, can_detach))
     study = optuna.create_study(directions=list(DIRECTIONS), sampler=chosen)
     for _name, plan in space.seeds:
-        from erase_tune.tune.space import plan_params
+        from erase_tune.tune.search.space import plan_params
 
         study.enqueue_trial(plan_params(space, plan, candidates, can_detach))
     seen: dict[str, tuple[float, float]] = {}

@@ -30,7 +30,7 @@ from erase_tune.errors import EraseTuneError, PlanError, shown
 from erase_tune.runtime import Cut, ErasePlan
 from erase_tune.runtime.plan import targets_overlap
 from erase_tune.runtime.probe import ProbeResult, probe
-from erase_tune.tune.space import Guard, SearchSpace, plan_params
+from erase_tune.tune.search.space import Guard, SearchSpace, plan_params
 from erase_tune.workloads import get_workload
 
 __all__ = ["CheckedSpace", "check_space"]

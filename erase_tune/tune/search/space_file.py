@@ -22,7 +22,7 @@ from erase_tune.errors import EraseTuneError, PlanError, shown
 from erase_tune.runtime import DISPATCH_MODES, Cut, ErasePlan
 from erase_tune.runtime.plan import MAX_STREAMS, MAX_TARGETS
 from erase_tune.trial import MAX_STEPS, Budget
-from erase_tune.tune.study import METRIC_NAMES, SAMPLERS
+from erase_tune.tune.search.study import METRIC_NAMES, SAMPLERS
 from erase_tune.workloads.limits import MAX_SEED
 
 __all__ = ["parse", "MAX_TRIALS", "MAX_SEED", "MODES", "STREAMS"]
@@ -36,7 +36,7 @@ MAX_GPUS_PER_TRIAL = 64
 _CUTS = {"candidates", "modes", "max_streams", "streams", "dispatch", "graph", "whole_step_graph",
          "find_unused_parameters", "aux_weight"}
 MODES = ("keep", "place", "detach", "graph")
-"""What a plan may do with a candidate (see :data:`erase_tune.tune.space.MODES`)."""
+"""What a plan may do with a candidate (see :data:`erase_tune.tune.search.space.MODES`)."""
 STREAMS = ("searched", "round_robin")
 """``searched``: each placed or detached candidate's stream is a search parameter.
 ``round_robin``: candidate i always runs on side stream 1 + i % max_streams (fewer plans)."""
@@ -47,7 +47,7 @@ class _Error(EraseTuneError, ValueError):
 
 
 def parse(data: Any, base: Path) -> dict[str, Any]:
-    """The keyword arguments of a :class:`~erase_tune.tune.space.SearchSpace` (but source and text)."""
+    """The keyword arguments of a :class:`~erase_tune.tune.search.space.SearchSpace` (but source and text)."""
     data = _mapping(data, "", "a search space")
     _known(data, _TOP, "")
     wl = data.get("workload")

@@ -7,8 +7,8 @@ lives in one place.
 from __future__ import annotations
 
 from erase_tune.trial import TrialResult
-from erase_tune.tune.job import JobSummary
-from erase_tune.tune.loop import Progress
+from erase_tune.tune.run.job import JobSummary
+from erase_tune.tune.run.loop import Progress
 
 __all__ = ["trial_table", "progress_line", "start_summary", "duration"]
 

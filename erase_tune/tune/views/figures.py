@@ -25,7 +25,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator, PercentFormatter
 
 if TYPE_CHECKING:
-    from erase_tune.tune.report_data import TrialRecord
+    from erase_tune.tune.views.report_data import TrialRecord
 
 __all__ = ["pareto_figure", "hypervolume_figure", "spread_figure", "importance_figure"]
 

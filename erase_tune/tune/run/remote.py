@@ -15,8 +15,8 @@ from typing import Any
 
 from erase_tune.errors import EraseTuneError
 from erase_tune.store import Job
-from erase_tune.tune.executor import RayExecutor, runtime_env
-from erase_tune.tune.space import SearchSpace
+from erase_tune.tune.execute.executor import RayExecutor, runtime_env
+from erase_tune.tune.search.space import SearchSpace
 
 __all__ = ["confirming_executor"]
 

@@ -22,7 +22,7 @@ from optuna.trial import FrozenTrial, TrialState
 from erase_tune.errors import EraseTuneError, shown
 from erase_tune.trial import TrialResult
 
-__all__ = ["METRIC_NAMES", "DIRECTIONS", "CONSTRAINTS", "Attr", "SAMPLERS", "make_sampler", "open_study",
+__all__ = ["METRIC_NAMES", "DIRECTIONS", "CONSTRAINTS", "Attr", "SAMPLERS", "make_sampler", "open_study", "load_study",
            "metric_attrs", "objective_values", "flat_attrs", "attr", "FrontPoint", "pareto_front", "measured",
            "noise_band", "constraint"]
 
@@ -31,7 +31,7 @@ DIRECTIONS = ("maximize", "minimize")
 CONSTRAINTS = "constraints"
 """System attribute: ``[ne_gap - (max_ne_gap + band)]`` (feasible when <= 0); see :func:`constraint`."""
 SAMPLERS = ("front", "tpe", "nsga2", "gp", "random")
-"""``front`` (the default: erase_tune.tune.samplers.FrontSampler) and Optuna's TPE, NSGA-II, GP, random."""
+"""``front`` (the default: erase_tune.tune.search.samplers.FrontSampler) and Optuna's TPE, NSGA-II, GP, random."""
 
 
 class Attr:
@@ -70,9 +70,9 @@ def make_sampler(name: str, seed: int | None, max_ne_gap: float | None = None,
     """A sampler by name; all but random honour the NE constraint. ``front`` is the default,
     chosen by replayed studies on H200 measurements (docs/benchmarks.md, "Tuner efficiency");
     it measures the hypervolume within ``max_ne_gap`` and tells plans apart by ``plan_key``
-    (erase_tune.tune.space.plan_key)."""
+    (erase_tune.tune.search.space.plan_key)."""
     if name == "front":
-        from erase_tune.tune.samplers import FrontSampler
+        from erase_tune.tune.search.samplers import FrontSampler
 
         return FrontSampler(seed=seed, max_ne_gap=max_ne_gap, plan_key=plan_key)
     if name == "tpe":
@@ -191,3 +191,15 @@ def pareto_front(study: optuna.Study, max_ne_gap: float | None = None) -> list[F
                                  gain_detach_only=attr(t, "gain_detach_only"), plan=t.user_attrs[Attr.PLAN],
                                  user_attrs=dict(t.user_attrs)))
     return points
+
+
+def load_study(db: Any, study_name: str | None) -> optuna.Study:
+    """An existing study in ``db`` (an opened storage); without a name, the only study there."""
+    names = [s.study_name for s in optuna.get_all_study_summaries(db.optuna, include_best_trial=False)]
+    if study_name is None:
+        if len(names) != 1:
+            raise EraseTuneError(f"--study is needed: {db.url} holds {len(names)} studies ({', '.join(names) or 'none'})")
+        study_name = names[0]
+    if study_name not in names:
+        raise EraseTuneError(f"no study named {shown(study_name)} in {db.url} (studies: {', '.join(names) or 'none'})")
+    return optuna.load_study(study_name=study_name, storage=db.optuna)

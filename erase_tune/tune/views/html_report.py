@@ -28,9 +28,9 @@ import optuna
 from erase_tune.errors import EraseTuneError, one_line
 from erase_tune.store import default_storage_url
 from erase_tune.store.storage import open_storage
-from erase_tune.tune.export import load_study
-from erase_tune.tune.hypervolume import hypervolume_history
-from erase_tune.tune.report_data import (
+from erase_tune.tune.search.study import load_study
+from erase_tune.tune.search.hypervolume import hypervolume_history
+from erase_tune.tune.views.report_data import (
     Importance,
     StudyFacts,
     TrialRecord,
@@ -251,7 +251,7 @@ def write_report(study: optuna.Study, out_dir: str | Path) -> ReportFiles:
     """Write ``report.html`` (self-contained) and its PNGs for ``study`` into ``out_dir``."""
     out = _out_dir(out_dir)
     try:
-        from erase_tune.tune import figures
+        from erase_tune.tune.views import figures
     except ImportError as e:
         raise EraseTuneError(f"the report needs matplotlib ({e}): install erase-tune's tune extra") from None
 

@@ -37,16 +37,16 @@ from erase_tune.errors import EraseTuneError, shown
 from erase_tune.store import default_storage_url
 from erase_tune.store.engine import parse_url
 from erase_tune.store.storage import open_storage
-from erase_tune.tune.checks import CheckedSpace, check_space
-from erase_tune.tune.executor import RayExecutor, runtime_env
-from erase_tune.tune.export import confirm_front, confirm_quality_front, with_quality
-from erase_tune.tune.journal import Journal
-from erase_tune.tune.loop import HEARTBEAT_S, Loop, Progress
-from erase_tune.tune.record import Recorder
-from erase_tune.tune.space import SearchSpace, plan_key
-from erase_tune.tune.space_file import MAX_TRIALS
-from erase_tune.tune.study import Attr, FrontPoint, make_sampler, noise_band, open_study, pareto_front
-from erase_tune.tune.worker import ConfirmSpec, ReferenceSpec
+from erase_tune.tune.search.checks import CheckedSpace, check_space
+from erase_tune.tune.execute.executor import RayExecutor, runtime_env
+from erase_tune.tune.run.confirm import confirm_front, confirm_quality_front, with_quality
+from erase_tune.tune.run.journal import Journal
+from erase_tune.tune.run.loop import HEARTBEAT_S, Loop, Progress
+from erase_tune.tune.run.record import Recorder
+from erase_tune.tune.search.space import SearchSpace, plan_key
+from erase_tune.tune.search.space_file import MAX_TRIALS
+from erase_tune.tune.search.study import Attr, FrontPoint, make_sampler, noise_band, open_study, pareto_front
+from erase_tune.tune.execute.task import ConfirmSpec, ReferenceSpec
 from erase_tune.workloads import module_of
 
 __all__ = ["JobSummary", "start_job", "JobFailed"]

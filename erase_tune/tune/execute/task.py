@@ -3,7 +3,7 @@
 This is the seam between the service and the library: a Ray actor (or anything else) calls
 :func:`run_spec` in its process; it builds the workload, runs
 :func:`erase_tune.trial.run_trial` and turns every way a trial can go wrong into a
-:class:`~erase_tune.tune.outcome.Failure` of the right kind, so a broken trial is recorded,
+:class:`~erase_tune.tune.execute.outcome.Failure` of the right kind, so a broken trial is recorded,
 not fatal. :func:`run_confirm` does the same for a confirming re-measurement (of speed or of
 quality) and for the noise floor a job measures before its trials, and :func:`run_reference`
 for the job's one try of the whole-step-graph reference (before its first trial, in a worker
@@ -20,7 +20,7 @@ import traceback
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from erase_tune.tune.outcome import ConfirmOutcome, Failure, TrialOutcome, WorkerInfo
+from erase_tune.tune.execute.outcome import ConfirmOutcome, Failure, TrialOutcome, WorkerInfo
 
 __all__ = ["TrialSpec", "ConfirmSpec", "ReferenceSpec", "ReferenceOutcome", "run_spec", "run_confirm",
            "run_reference", "classify"]
@@ -95,7 +95,7 @@ class ReferenceOutcome:
 
 def run_spec(spec: TrialSpec, info: Callable[[], dict[str, Any]] = dict, process_group: Any = None) -> TrialOutcome:
     """Run one trial; never raises for a trial's own failure. ``info`` adds where it ran;
-    ``process_group``: as one rank of a data-parallel trial (:mod:`erase_tune.tune.distributed`)."""
+    ``process_group``: as one rank of a data-parallel trial (:mod:`erase_tune.tune.execute.distributed`)."""
 
     def work() -> Any:
         from erase_tune.runtime import ErasePlan

@@ -3,10 +3,10 @@
 ``RayExecutor`` joins the cluster named by ``--ray-address`` or, when that is not given,
 by ``RAY_ADDRESS`` (what ``ray job submit`` and KubeRay's RayJob set); with neither it
 starts a private local Ray (the embedded default) and makes sure its processes die with
-the driver, even on ``kill -9`` (:mod:`erase_tune.tune.reaper`). The workload's package
+the driver, even on ``kill -9`` (:mod:`erase_tune.tune.execute.reaper`). The workload's package
 travels to the workers through Ray's ``runtime_env`` (``working_dir``/``py_modules``).
 
-Each slot is a :class:`~erase_tune.tune.workers.WorkerGroup`; trials wait for GPUs to
+Each slot is a :class:`~erase_tune.tune.execute.actors.WorkerGroup`; trials wait for GPUs to
 appear (an autoscaling cluster may start with none) for up to ``gpu_wait_s``, and a group
 is replaced after any failure. A hung trial is ended by killing its group's actors.
 """
@@ -25,9 +25,9 @@ from typing import Any
 
 from erase_tune._env import UPLOAD_ENV, env_mebibytes, env_text
 from erase_tune.errors import EraseTuneError, Terminated, first_line
-from erase_tune.tune.outcome import ConfirmOutcome, Failure, TrialOutcome
-from erase_tune.tune.worker import ConfirmSpec, ReferenceOutcome, ReferenceSpec, TrialSpec
-from erase_tune.tune.workers import WorkerGroup
+from erase_tune.tune.execute.outcome import ConfirmOutcome, Failure, TrialOutcome
+from erase_tune.tune.execute.task import ConfirmSpec, ReferenceOutcome, ReferenceSpec, TrialSpec
+from erase_tune.tune.execute.actors import WorkerGroup
 
 __all__ = ["TrialHandle", "RayExecutor", "resolve_address"]
 
@@ -97,7 +97,7 @@ class RayExecutor:
                     ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False,
                              runtime_env=env or None, log_to_driver=False, logging_level="error",
                              object_store_memory=256 * 1024**2)
-                    from erase_tune.tune.reaper import reap_children_on_exit
+                    from erase_tune.tune.execute.reaper import reap_children_on_exit
 
                     reap_children_on_exit()
             except Exception as e:  # noqa: BLE001 - Ray raises anything from a bad address (AssertionError too)

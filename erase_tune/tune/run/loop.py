@@ -33,14 +33,14 @@ from optuna.trial import TrialState
 from erase_tune.runtime import ErasePlan
 from erase_tune.store.storage import Storage, StorageLost, retrying
 from erase_tune.trial import BASELINE
-from erase_tune.tune.checks import CheckedSpace
-from erase_tune.tune.executor import RayExecutor, TrialHandle
-from erase_tune.tune.journal import Entry, Journal
-from erase_tune.tune.outcome import TrialOutcome
-from erase_tune.tune.record import Recorder
-from erase_tune.tune.space import SearchSpace
-from erase_tune.tune.study import Attr, FrontPoint, measured, pareto_front
-from erase_tune.tune.worker import TrialSpec
+from erase_tune.tune.search.checks import CheckedSpace
+from erase_tune.tune.execute.executor import RayExecutor, TrialHandle
+from erase_tune.tune.run.journal import Entry, Journal
+from erase_tune.tune.execute.outcome import TrialOutcome
+from erase_tune.tune.run.record import Recorder
+from erase_tune.tune.search.space import SearchSpace
+from erase_tune.tune.search.study import Attr, FrontPoint, measured, pareto_front
+from erase_tune.tune.execute.task import TrialSpec
 
 __all__ = ["Progress", "Loop", "HEARTBEAT_S", "MAX_INFRA_RETRIES", "SYSTEMATIC_FAILURES", "systematic_failure"]
 

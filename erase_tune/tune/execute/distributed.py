@@ -1,12 +1,12 @@
 """A data-parallel trial: one Ray actor per rank, one process group per trial.
 
-:class:`~erase_tune.tune.workers.WorkerGroup` places the k actors of a trial slot on one node
+:class:`~erase_tune.tune.execute.actors.WorkerGroup` places the k actors of a trial slot on one node
 (a STRICT_PACK placement group, one GPU each, or one CPU each on the CPU); rank 0 picks the
 rendezvous address (its node's IP and a free port). For each trial every rank joins a fresh
 process group (nccl on CUDA, gloo on the CPU), runs the same
 :func:`~erase_tune.trial.run_trial` with it — baseline, candidate, twin and reference all
 data parallel, interleaved as in one process — and leaves the group. The driver keeps rank
-0's result; a rank that failed fails the trial (:class:`~erase_tune.tune.executor.RayExecutor`).
+0's result; a rank that failed fails the trial (:class:`~erase_tune.tune.execute.executor.RayExecutor`).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
-from erase_tune.tune.outcome import ConfirmOutcome, Failure, TrialOutcome
-from erase_tune.tune.worker import ConfirmSpec, TrialSpec, run_confirm, run_spec
+from erase_tune.tune.execute.outcome import ConfirmOutcome, Failure, TrialOutcome
+from erase_tune.tune.execute.task import ConfirmSpec, TrialSpec, run_confirm, run_spec
 
 __all__ = ["COLLECTIVE_TIMEOUT_S", "process_group", "run_confirm_rank", "run_rank"]
 

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 from erase_tune._env import env_text
-from erase_tune.tune.outcome import TrialOutcome
+from erase_tune.tune.execute.outcome import TrialOutcome
 
 __all__ = ["JOURNAL_ENV", "Entry", "Journal"]
 

@@ -25,10 +25,10 @@ from optuna.trial import FrozenTrial, TrialState
 
 from erase_tune.store import Job, baseline_key
 from erase_tune.store.storage import Storage
-from erase_tune.tune.outcome import Failure, TrialOutcome
-from erase_tune.tune.space import SearchSpace
+from erase_tune.tune.execute.outcome import Failure, TrialOutcome
+from erase_tune.tune.search.space import SearchSpace
 from erase_tune.noise import exact_by_construction, feasible
-from erase_tune.tune.study import CONSTRAINTS, Attr, constraint, metric_attrs, objective_values
+from erase_tune.tune.search.study import CONSTRAINTS, Attr, constraint, metric_attrs, objective_values
 
 __all__ = ["Recorder"]
 

@@ -17,8 +17,8 @@ from optuna.trial import TrialState
 from erase_tune.errors import EraseTuneError, shown
 from erase_tune.store import Confirmation, Export, Job, QualityConfirmation, StoredOutcome, default_storage_url
 from erase_tune.store.storage import open_storage
-from erase_tune.tune.export import load_study
-from erase_tune.tune.study import Attr, FrontPoint, pareto_front
+from erase_tune.tune.search.study import load_study
+from erase_tune.tune.search.study import Attr, FrontPoint, pareto_front
 
 __all__ = ["JobStatus", "TrialDetail", "job_status", "trial_detail", "list_jobs"]
 

@@ -19,7 +19,7 @@ from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
 from erase_tune.errors import EraseTuneError, PlanError, shown
-from erase_tune.tune.study import flat_attrs, noise_band
+from erase_tune.tune.search.study import flat_attrs, noise_band
 
 __all__ = ["TrialRecord", "Importance", "StudyFacts", "read_records", "study_facts", "front_within_budget",
            "param_importance", "MIN_TRIALS_FOR_IMPORTANCE"]

@@ -8,7 +8,7 @@ end of a pipe whose write end only the driver has: when the driver dies, for wha
 reason, the pipe closes and the watchdog SIGKILLs the processes it was given and their
 descendants (each checked by creation time, so a recycled PID is never hit).
 
-Run as ``python -m erase_tune.tune.reaper PID:CREATED ...`` (internal).
+Run as ``python -m erase_tune.tune.execute.reaper PID:CREATED ...`` (internal).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def reap_children_on_exit() -> None:
     if not victims:
         return
     read, write = os.pipe()
-    subprocess.Popen([sys.executable, "-m", "erase_tune.tune.reaper", *victims], stdin=read, start_new_session=True,
+    subprocess.Popen([sys.executable, "-m", "erase_tune.tune.execute.reaper", *victims], stdin=read, start_new_session=True,
                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True)
     os.close(read)
     _pipes.append(write)  # held open for this process's lifetime (os.pipe fds are not inherited)

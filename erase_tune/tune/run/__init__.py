@@ -1,0 +1,8 @@
+"""Running a job: ``erase-tune start`` from set-up to its confirmed front.
+
+``job`` sets a job up (or resumes it) and runs it; ``loop`` is one driver's ask → submit →
+tell, shared by any number of drivers; ``record`` puts an outcome into the study and the
+project's tables; ``journal`` keeps outcomes on local disk while the storage is away;
+``confirm`` takes the second look (speed, then quality) before a plan leaves the study,
+and ``remote`` opens the executor ``export`` confirms on.
+"""
