@@ -44,6 +44,7 @@ from erase_tune.trial import (
     build_engine,
     check_workload_loss,
     jsonable_args,
+    reference_capture_error,
     ranks_of,
     release,
 )
@@ -151,12 +152,16 @@ def measure_noise_floor(workload: Workload, budget: Budget = Budget(), *, repeat
                         process_group: Any = None) -> NoiseFloor:
     """Measure the noise floor of ``workload`` at ``budget``'s training length; see the module
     docstring. ``repeats`` data orders; ``graph`` adds the whole-step-graph perturbation (default:
-    on CUDA only, where it exists)."""
+    on CUDA, where the model's step can be captured whole: one that cannot, such as the reference
+    DLRM's, is measured on data orders alone and its provenance says why)."""
     if isinstance(repeats, bool) or not isinstance(repeats, int) or not 1 <= repeats <= MAX_REPEATS:
         raise EraseTuneError(f"noise repeats: {repeats!r} must be an integer in 1..{MAX_REPEATS}")
     started = time.perf_counter()
     device = resolve_device(device)
-    graph = device.type == "cuda" if graph is None else graph
+    graph_error = None
+    if graph is None and device.type == "cuda":  # tried first in the process (see reference_capture_error)
+        graph_error = reference_capture_error(workload, device, seed=budget.seed)
+    graph = device.type == "cuda" and graph_error is None if graph is None else graph
     if graph and device.type != "cuda":
         raise EraseTuneError("noise floor: the whole-step-graph perturbation needs CUDA")
     torch.manual_seed(budget.seed)
@@ -185,7 +190,7 @@ def measure_noise_floor(workload: Workload, budget: Budget = Budget(), *, repeat
         training_steps=steps, repeats=repeats,
         provenance=provenance(device, workload=workload.name, workload_args=jsonable_args(workload.args),
                               budget=dataclasses.asdict(budget), training_steps=steps, repeats=repeats, ranks=world,
-                              duration_s=round(time.perf_counter() - started, 3)),
+                              graph_left_out=graph_error, duration_s=round(time.perf_counter() - started, 3)),
     )
 
 
