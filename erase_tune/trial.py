@@ -341,7 +341,7 @@ def check_workload_loss(workload: Workload, model: torch.nn.Module, data: Worklo
     over the batch, and accepted (erase_tune.runtime.losscheck); one line naming the mistake."""
     inputs, target = data.batch(0)
     try:
-        check_loss(model, tuple(inputs), target, workload.loss_fn)
+        check_loss(model, tuple(inputs), target, workload.loss_fn, output=workload.output)
     except EraseTuneError as e:
         raise EraseTuneError(f"workload {workload.name}: {e}") from None
 

@@ -411,7 +411,7 @@ class CliWorld:
         self.readonly.mkdir()
         self.existing = root / "existing.yaml"
         self.existing.write_text("# an earlier export\n")
-        # Two finished jobs with their fronts confirmed, so export runs without Ray: in one
+        # Two finished jobs with their fronts confirmed (speed and quality), so export runs without Ray: in one
         # every front plan shows a gain (export writes it), in the other none does (exit 1).
         self.url = write_finished_study(root / "finished.db", gain_over="eager")
         write_finished_study(root / "finished.db", gain_over="eager", study_name="no-gain")
@@ -428,6 +428,9 @@ class CliWorld:
                     db.store.record_confirmation(job, n, plan_yaml=plan.dumps(), gain_over="eager", windows=5,
                                                  gain=low + 0.05, gain_lo=low, gain_hi=low + 0.1, samples={},
                                                  provenance={})
+                    db.store.record_quality(job, n, plan_yaml=plan.dumps(), steps=100, seeds=3, ne_gap=0.001,
+                                            ne_gap_lo=-0.002, ne_gap_hi=0.004, per_seed=[0.0, 0.001, 0.002],
+                                            exact=not plan.cuts, band=0.002, provenance={})
         finally:
             db.close()
         self.readonly.chmod(0o555)

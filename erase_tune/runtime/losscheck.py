@@ -32,12 +32,13 @@ _SUM_RATIO = 1.5
 
 
 def check_loss(model: nn.Module, inputs: tuple[Any, ...], target: Tensor,
-               loss_fn: Callable[[Tensor, Tensor], Tensor]) -> float:
-    """Run ``model(*inputs)`` and check ``loss_fn`` on its output (see the module docstring);
-    returns the loss value on the example batch."""
+               loss_fn: Callable[[Tensor, Tensor], Tensor], output: Callable[[Any], Any] | None = None) -> float:
+    """Run ``model(*inputs)`` and check ``loss_fn`` on its output (see the module docstring), or on
+    ``output(model_output)`` for a model whose forward returns a structure (the prediction a
+    workload's ``output`` selector picks); returns the loss value on the example batch."""
     with _quiet(model), torch.no_grad():
-        output = model(*inputs)
-    return check_loss_value(output, target, loss_fn)
+        out = model(*inputs)
+    return check_loss_value(out if output is None else output(out), target, loss_fn)
 
 
 def check_loss_value(output: Any, target: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor]) -> float:

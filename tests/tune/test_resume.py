@@ -158,7 +158,7 @@ def test_kill_9_then_rerun_finishes_with_nothing_running(tmp_path):
 
 def test_sigterm_ends_the_job_as_interrupted_with_nothing_running(tmp_path):
     """What `timeout`, Kubernetes and `ray job stop` send: the driver cancels and fails its
-    trials, marks the job interrupted and exits 130, with one line and no stack."""
+    trials, marks the job interrupted and exits 143 (128 + SIGTERM), with one line and no stack."""
     url = f"sqlite:///{tmp_path / 'term.db'}"
     space = write_space(tmp_path / "term.yaml", workload="tests.tune.faulty:workload",
                         args={"mode": "ok", "train_batches": 64}, budget={"quality_steps": 60, "windows": 3},
@@ -177,8 +177,8 @@ def test_sigterm_ends_the_job_as_interrupted_with_nothing_running(tmp_path):
         time.sleep(0.3)
     driver.send_signal(signal.SIGTERM)
     _, err = driver.communicate(timeout=60)
-    assert driver.returncode == 130, err[-2000:]
-    assert err.strip().splitlines()[-1] == "erase-tune: interrupted" and "Traceback" not in err
+    assert driver.returncode == 143, err[-2000:]
+    assert err.strip().splitlines()[-1] == "erase-tune: terminated by SIGTERM" and "Traceback" not in err
     assert not [t for t in _trials(url, "term") if t.state == TrialState.RUNNING]
     with Store(url) as store:
         assert store.get_job("term").status == "interrupted"

@@ -103,6 +103,9 @@ def start_job(
     """Run (or resume) a tuning job; see the module docstring. ``quality_scale``/``quality_seeds``
     override the space's budget fields for the quality confirmation at the end."""
     space = with_quality(SearchSpace.load(space_path), quality_scale, quality_seeds)
+    # Absolute, and now: export re-reads the space's relative py_modules against its directory,
+    # from anywhere; and a Ray job's working directory may be gone once Ray has started.
+    space_abspath = os.path.abspath(space_path)
     module = module_of(space.workload)
     name = study_name if study_name is not None else Path(space_path).stem
     if not name.strip():
@@ -138,20 +141,30 @@ def start_job(
         try:
             with db.lock(f"study:{name}"):  # a study of another workload is refused before anything runs
                 _check_resumable(open_study(db.optuna, name), space, name)
+                # The job exists (running) before the minutes of set-up below, so that a job
+                # stopped during them is marked as such, like one stopped in its loop.
+                db.store.create_job(study_name=name, space_path=space_abspath, space_yaml=space.text,
+                                    workload=space.workload, settings={"trials": target}, n_trials_target=target,
+                                    get_or_create=True)
+                db.store.set_job_status(name, "running", n_trials_target=target)
             # The first line of a job that runs (a refusal before this point is its one error line).
             log.info("workload %s: code from module %s runs here and on the workers (a space file is trusted like "
                      "a script)", space.workload, module)
-            original = space
-            space, reference_error = _graph_reference(db, space, name, executor)
-            if reference_error is not None:
-                dropped = "; its whole_step_graph: true choice is dropped" if True in original.whole_step_graph else ""
-                log.info("whole-step CUDA graph: this model's step cannot be captured whole (%s): trials run without "
-                         "the graph reference%s", reference_error, dropped)
-            floor, measured_here = _noise_floor(db, space, name, executor)
-            band = float(floor["band"]) if floor else 0.0
-            # absolute: export re-reads the space's relative py_modules against its directory, from anywhere
-            loop = _set_up(db, space, name, os.path.abspath(space_path), target, checked, executor, on_progress,
-                           reference_error, band)
+            try:
+                original = space
+                space, reference_error = _graph_reference(db, space, name, executor)
+                if reference_error is not None:
+                    dropped = "; its whole_step_graph: true choice is dropped" if True in original.whole_step_graph \
+                        else ""
+                    log.info("whole-step CUDA graph: this model's step cannot be captured whole (%s): trials run "
+                             "without the graph reference%s", reference_error, dropped)
+                floor, measured_here = _noise_floor(db, space, name, executor)
+                band = float(floor["band"]) if floor else 0.0
+                loop = _set_up(db, space, name, space_abspath, target, checked, executor, on_progress,
+                               reference_error, band)
+            except BaseException as e:
+                _mark_stopped(db, name, e)
+                raise
             if floor and (measured_here or db.store.noise_floor(loop.recorder.job) is None):
                 # Also on a resume after a driver stopped between storing the attr and the row.
                 db.store.record_noise_floor(loop.recorder.job, floor)
@@ -164,6 +177,16 @@ def start_job(
     finally:
         executor.close()
     return summary
+
+
+def _mark_stopped(db: Any, name: str, e: BaseException) -> None:
+    """The job ended by ``e``: interrupted (Ctrl-C, SIGTERM), else failed, with its one line."""
+    interrupted = isinstance(e, KeyboardInterrupt)
+    try:
+        db.store.set_job_status(name, "interrupted" if interrupted else "failed",
+                                error=" ".join(str(e).split()) or type(e).__name__)
+    except Exception:  # noqa: BLE001 - the storage itself may be what failed
+        pass
 
 
 def _check_resumable(study: Any, space: SearchSpace, name: str) -> None:
@@ -275,13 +298,8 @@ def _run(db: Any, loop: Loop, space: SearchSpace, name: str, executor: RayExecut
     try:
         loop.run()
     except BaseException as e:
-        interrupted = isinstance(e, KeyboardInterrupt)
-        loop.abort("interrupted" if interrupted else f"driver stopped: {e}")
-        try:
-            db.store.set_job_status(name, "interrupted" if interrupted else "failed",
-                                    error=" ".join(str(e).split()) or type(e).__name__)
-        except Exception:  # noqa: BLE001 - the storage itself may be what failed
-            pass
+        loop.abort("interrupted" if isinstance(e, KeyboardInterrupt) else f"driver stopped: {e}")
+        _mark_stopped(db, name, e)
         raise
     complete, failed = loop.counts()
     front = pareto_front(loop.study, space.max_ne_gap)
