@@ -151,8 +151,8 @@ class Loop:
                 return False
             return True
         self._repeats = 0
+        self.inflight.append(admitted)  # before submitting: a signal during submit must find it to fail it
         admitted.handle = self.executor.submit(admitted.spec)
-        self.inflight.append(admitted)
         self.cost["ask"].append(time.perf_counter() - t0)
         return True
 
