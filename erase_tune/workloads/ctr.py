@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from erase_tune.errors import WorkloadError, shown
+from erase_tune.errors import WorkloadError
 from erase_tune.workloads import fused_if_cuda
 from erase_tune.workloads.base import Batch, Workload, WorkloadData, prior_entropy
 from erase_tune.workloads.criteo import NUM_DENSE, NUM_SPARSE, load_criteo_split, load_criteo_tsv
@@ -42,6 +42,7 @@ from erase_tune.workloads.limits import (
     SYNTHETIC_BYTES_PER_TABLE_ROW,
     TRAINING_BYTES_PER_PARAMETER,
     Need,
+    check_arg,
     check_int,
     check_memory,
 )
@@ -532,10 +533,6 @@ def _needs(args: dict[str, Any]) -> list[Need]:
     return needs
 
 
-def _check(name: str, value: Any, ok: bool, need: str) -> None:
-    if not ok:
-        raise WorkloadError(f"workload 'ctr': argument {name!r} must be {need}, got {shown(value)}")
-
 
 def workload(
     *,
@@ -569,15 +566,16 @@ def workload(
     args = dict(locals())
     for name, (low, high) in _BOUNDS.items():
         check_int("ctr", name, args[name], low, high)
-    _check("base_rate", base_rate, 0.0 < base_rate < 1.0, "a number strictly between 0 and 1")
-    _check("lr", lr, lr > 0 and math.isfinite(lr), "a finite number > 0")
+    check_arg("ctr", "base_rate", base_rate, 0.0 < base_rate < 1.0, "a number strictly between 0 and 1")
+    check_arg("ctr", "lr", lr, lr > 0 and math.isfinite(lr), "a finite number > 0")
     if data == "synthetic":
         make_data: Callable[[torch.device], WorkloadData] = functools.partial(_synthetic_data, args=args)
         make_example: Callable[[torch.device], Batch] = functools.partial(_synthetic_example, args=args)
     else:
-        _check("data", data, os.path.isfile(data), "'synthetic' or the path of a readable Criteo TSV file")
-        _check("num_tables", num_tables, num_tables == NUM_SPARSE, f"{NUM_SPARSE} with Criteo data")
-        _check("bag", bag, bag == 1, "1 with Criteo data")
+        check_arg("ctr", "data", data, os.path.isfile(data),
+                  "'synthetic' or the path of a readable Criteo TSV file")
+        check_arg("ctr", "num_tables", num_tables, num_tables == NUM_SPARSE, f"{NUM_SPARSE} with Criteo data")
+        check_arg("ctr", "bag", bag, bag == 1, "1 with Criteo data")
         make_data = functools.partial(_criteo_data, args=args)
         make_example = functools.partial(_criteo_example, args=args)
     check_memory("ctr", _needs(args))

@@ -45,6 +45,7 @@ from erase_tune.workloads.limits import (
     SYNTHETIC_BYTES_PER_TABLE,
     SYNTHETIC_BYTES_PER_TABLE_ROW,
     Need,
+    check_arg,
     check_int,
     check_memory,
 )
@@ -281,10 +282,6 @@ _BOUNDS = {
 }
 
 
-def _check(name: str, value: Any, ok: bool, need: str) -> None:
-    if not ok:
-        raise WorkloadError(f"workload 'dlrm': argument {name!r} must be {need}, got {shown(value)}")
-
 
 def workload(
     *,
@@ -316,15 +313,17 @@ def workload(
     for name, (low, high) in _BOUNDS.items():
         check_int("dlrm", name, args[name], low, high)
     bot, top = parse_mlp(bot_mlp, "bot_mlp"), parse_mlp(top_mlp, "top_mlp")
-    _check("bot_mlp", bot_mlp, bot[-1] == emb_dim, f"layer sizes ending in emb_dim={emb_dim} (the reference's rule)")
-    _check("top_mlp", top_mlp, top[-1] == 1, "layer sizes ending in 1 (one click probability)")
-    _check("lr", lr, lr > 0 and math.isfinite(lr), "a finite number > 0")
+    check_arg("dlrm", "bot_mlp", bot_mlp, bot[-1] == emb_dim,
+              f"layer sizes ending in emb_dim={emb_dim} (the reference's rule)")
+    check_arg("dlrm", "top_mlp", top_mlp, top[-1] == 1, "layer sizes ending in 1 (one click probability)")
+    check_arg("dlrm", "lr", lr, lr > 0 and math.isfinite(lr), "a finite number > 0")
     if data == "synthetic":
         make_data: Callable[[torch.device], WorkloadData] = functools.partial(_synthetic_data, args=args)
         make_example: Callable[[torch.device], Batch] = functools.partial(_synthetic_example, args=args)
     else:
-        _check("data", data, os.path.isfile(data), "'synthetic' or the path of a readable Criteo TSV file")
-        _check("num_tables", num_tables, num_tables == NUM_SPARSE, f"{NUM_SPARSE} with Criteo data")
+        check_arg("dlrm", "data", data, os.path.isfile(data),
+                  "'synthetic' or the path of a readable Criteo TSV file")
+        check_arg("dlrm", "num_tables", num_tables, num_tables == NUM_SPARSE, f"{NUM_SPARSE} with Criteo data")
         make_data = functools.partial(_criteo_data, args=args)
         make_example = functools.partial(_criteo_example, args=args)
     check_memory("dlrm", _needs(args))

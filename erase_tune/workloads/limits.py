@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any
 from collections.abc import Iterable
 
 from erase_tune.errors import WorkloadError, shown
@@ -38,6 +39,7 @@ __all__ = [
     "CRITEO_MIN_LINE_BYTES",
     "TRAINING_BYTES_PER_PARAMETER",
     "Need",
+    "check_arg",
     "check_int",
     "check_memory",
     "format_bytes",
@@ -60,6 +62,12 @@ def check_int(workload: str, name: str, value: int, low: int, high: int) -> None
         raise WorkloadError(f"workload {workload!r}: argument {name!r} must be an integer >= {low}, got {got}")
     if value > high:
         raise WorkloadError(f"workload {workload!r}: argument {name!r} must be an integer <= {high}, got {got}")
+
+
+def check_arg(workload: str, name: str, value: Any, ok: bool, need: str) -> None:
+    """Raise :class:`WorkloadError` naming argument ``name`` unless ``ok``: it must be ``need``."""
+    if not ok:
+        raise WorkloadError(f"workload {workload!r}: argument {name!r} must be {need}, got {shown(value)}")
 
 
 @dataclasses.dataclass(frozen=True)
