@@ -87,8 +87,9 @@ def open_storage(url: str, *, must_exist: bool = False, upgrade: bool = True,
     kwargs = engine_kwargs(parsed)
     # Another process opening the same SQLite file at this moment (a second driver, status, the
     # dashboard: Optuna creates its tables when it opens a storage) can make set-up's deferred
-    # transactions fail at once with "database is locked" instead of waiting: that is retried,
-    # within the storage retry window; anything else fails at once, in one line.
+    # transactions fail at once with "database is locked" instead of waiting, or find a table the
+    # other process created a moment before ("already exists"): both are retried, within the
+    # storage retry window (the next try sees the finished set-up); anything else fails at once.
     deadline = time.monotonic() + env_seconds(RETRY_ENV, 60.0)
     delay = 0.2
     while True:
@@ -99,9 +100,10 @@ def open_storage(url: str, *, must_exist: bool = False, upgrade: bool = True,
             raise
         except Exception as e:  # noqa: BLE001 - any driver/connection error becomes one line
             cause = errors.one_line(_cause(e, parsed), 300)
-            if "database is locked" in cause and time.monotonic() + delay < deadline:
+            racing = "database is locked" in cause or "already exists" in cause  # its tables, made beside ours
+            if racing and time.monotonic() + delay < deadline:
                 if delay == 0.2:  # the first wait: say what for, how long, how to stop
-                    log.info(f"storage {shown}: another process is setting it up (database is locked); waiting up to "
+                    log.info(f"storage {shown}: another process is setting it up ({cause[:80]}); waiting up to "
                              f"{deadline - time.monotonic():.0f}s (${RETRY_ENV}): Ctrl-C stops")
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)

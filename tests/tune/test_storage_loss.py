@@ -146,8 +146,9 @@ def test_losing_postgres_while_holding_the_study_lock_reports_the_loss(tmp_path,
 
 def test_sqlite_busy_while_opening_is_waited_out_other_errors_are_not(tmp_path, monkeypatch):
     """Another process opening the same SQLite file at the moment a driver sets it up can make
-    set-up fail at once with "database is locked" (seen in CI: a poller's Optuna created its
-    tables meanwhile); open_storage retries that, and only that, within the retry window."""
+    set-up fail at once with "database is locked", or find a table the other created a moment
+    before ("table alembic_version already exists"; both seen in CI: a poller's Optuna created
+    its tables meanwhile); open_storage retries those, and only those, within the retry window."""
     import sqlite3
 
     import pytest
@@ -160,8 +161,11 @@ def test_sqlite_busy_while_opening_is_waited_out_other_errors_are_not(tmp_path, 
 
     def flaky(*a, **k):
         calls.append(1)
-        if len(calls) <= 2:
+        if len(calls) == 1:
             raise OperationalError("BEGIN", {}, sqlite3.OperationalError("database is locked"))
+        if len(calls) == 2:
+            raise OperationalError("CREATE TABLE alembic_version", {},
+                                   sqlite3.OperationalError("table alembic_version already exists"))
         return real(*a, **k)
 
     monkeypatch.setattr(storage, "_open_once", flaky)
