@@ -13,8 +13,11 @@ overlap (overlapped time / side-stream busy time) is read off the trace.
 The host-cost rows show what the runtime's own host work costs on the user's model: the plain
 loop, the engine with an empty plan (the eager baseline), one placement and one blocking cut of
 the cheapest candidate (fewest parameters), each as ms/step and the difference to the plain
-loop in µs/step (per-window medians, so slow drift cancels). On a host-bound model this tax,
-not the overlap, decides whether ERASE can win.
+loop in µs/step (per-window medians, so slow drift cancels), and, measured again in windows of
+their own, the process's CPU time per step with device waits left out and its difference to the
+plain loop (:mod:`erase_tune.measure.hostcpu`): a host-bound step's wall time spreads too much
+from window to window to show a tax of tens of µs, its CPU time does not. On a host-bound model
+this tax, not the overlap, decides whether ERASE can win.
 
 On CUDA the whole-step graph is tried once first (:func:`erase_tune.trial.reference_capture_error`);
 a model whose step cannot be captured whole loses its graph rows, and the reason is kept in
@@ -42,6 +45,7 @@ from erase_tune.measure import (
     ratio_spread,
     time_interleaved,
 )
+from erase_tune.measure.hostcpu import host_cpu_interleaved, host_tax
 from erase_tune.runtime import Cut, ErasePlan, Placement
 from erase_tune.runtime.device import resolve_device
 from erase_tune.trial import Budget, Variant, build_engine, jsonable_args, reference_capture_error, release
@@ -57,6 +61,8 @@ ONE_PLACEMENT = "one placement"
 ONE_CUT = "one cut (blocking)"
 HOST_ROWS = (PLAIN, EAGER, ONE_PLACEMENT, ONE_CUT)
 """The rows of the host-cost section, in order."""
+HOST_WINDOWS = 8
+"""Windows of the host-CPU pass at least (the wall-clock windows of a host-bound step spread ±10-20%)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -75,6 +81,11 @@ class BenchRow:
     """Median step time, milliseconds."""
     vs_plain_us: float | None = None
     """Median over windows of (this row's median step time - the plain loop's), µs per step."""
+    host_cpu_us: float | None = None
+    """Host-cost rows: the process's CPU time per step, µs, device waits left out
+    (:mod:`erase_tune.measure.hostcpu`), median over its own interleaved windows."""
+    host_tax_us: tuple[float, float, float] | None = None
+    """Host-cost rows: (median, lo, hi) over windows of this row's host CPU µs/step minus the plain loop's."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -86,6 +97,8 @@ class BenchResult:
     provenance: Mapping[str, Any]
     graph_error: str | None = None
     """Why the whole-step-graph rows were left out (the step cannot be captured whole), or None."""
+    host_cpu: str | None = None
+    """How the host-cost rows' CPU time was measured (whether device waits were left out)."""
 
     def row(self, name: str) -> BenchRow:
         return next(r for r in self.rows if r.name == name)
@@ -98,6 +111,7 @@ class BenchResult:
             "samples": {k: dict(v) for k, v in self.samples.items()},
             "provenance": dict(self.provenance),
             "graph_error": self.graph_error,
+            "host_cpu": self.host_cpu,
         }
 
     def table(self) -> str:
@@ -114,11 +128,17 @@ class BenchResult:
         rows = [r for name in HOST_ROWS for r in self.rows if r.name == name]
         if not rows:
             return ""
-        head = f"{'host cost':<22} {'ms/step':>10} {'vs plain loop':>16}  plan"
+        head = (f"{'host cost':<22} {'ms/step':>10} {'vs plain loop':>16} {'host CPU µs':>12} "
+                f"{'CPU tax µs [lo, hi]':>24}  plan")
         lines = [head, "-" * len(head)]
         for r in rows:
             tax = "-" if r.vs_plain_us is None or r.name == PLAIN else f"{r.vs_plain_us:+,.0f} µs/step"
-            lines.append(f"{r.name:<22} {r.ms_per_step:>10.3f} {tax:>16}  {r.plan}")
+            cpu = "-" if r.host_cpu_us is None else f"{r.host_cpu_us:,.0f}"
+            ctax = ("-" if r.host_tax_us is None or r.name == PLAIN
+                    else f"{r.host_tax_us[0]:+,.0f} [{r.host_tax_us[1]:+,.0f}, {r.host_tax_us[2]:+,.0f}]")
+            lines.append(f"{r.name:<22} {r.ms_per_step:>10.3f} {tax:>16} {cpu:>12} {ctax:>24}  {r.plan}")
+        if self.host_cpu:
+            lines.append(f"(host CPU: the process's CPU time per step, in windows of their own; {self.host_cpu})")
         return "\n".join(lines)
 
 
@@ -254,6 +274,10 @@ def run_bench(
                              else Variant(plan=plan, engine=build_engine(workload, plan, init, data, device), data=data))
         timings = time_interleaved(runners, device=device, warmup_steps=budget.warmup_steps,
                                    windows=budget.windows, window_steps=budget.window_steps)
+        host = {n: runners[n] for n in HOST_ROWS if n in runners}
+        cpu = host_cpu_interleaved(host, device=device, warmup_steps=1, windows=max(budget.windows, HOST_WINDOWS),
+                                   window_steps=budget.window_steps, start_step=timings.next_step) \
+            if PLAIN in host and len(host) > 1 else None
         if trace_dir is not None:
             for name in TRACED:
                 if name in runners:
@@ -281,6 +305,8 @@ def run_bench(
             overlap=overlap.get(name),
             ms_per_step=statistics.median(t.steps_s) * 1e3,
             vs_plain_us=_window_difference(t, plain) * 1e6 if plain is not None else None,
+            host_cpu_us=cpu.median_us(name) if cpu is not None and name in cpu.per_window else None,
+            host_tax_us=host_tax(cpu, name, PLAIN) if cpu is not None and name in cpu.per_window else None,
         ))
     return BenchResult(
         workload=workload.name,
@@ -291,6 +317,7 @@ def run_bench(
                               workload_args=jsonable_args(workload.args),
                               budget=dataclasses.asdict(budget), cuts=chosen, streams=streams),
         graph_error=graph_error,
+        host_cpu=cpu.how if cpu is not None else None,
     )
 
 

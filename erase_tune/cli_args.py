@@ -32,7 +32,7 @@ def one_line(message: object) -> str:
 
 
 def _add_workload(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workload", required=True, help="ctr, gpt, mlp, or package.module:factory")
+    p.add_argument("--workload", required=True, help="ctr, gpt, mlp, dlrm, or package.module:factory")
     p.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE", help="workload argument (repeatable)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")

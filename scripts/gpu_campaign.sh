@@ -16,6 +16,8 @@
 #       2026-12-02 (moves with a known effect first) on real measurements;
 #   f   the same at batch 32768 (smaller data pools to fit host memory), 8 trials, seeded with the
 #       plans d and e exported (docs/results/h200-2026-12-01/best_ctr*_graph.yaml);
+#   h   the host cost on dlrm at batch 4096 (issue 16): the host-CPU GPU test, the reference GPU tests,
+#       scripts/host_table.py with its host-CPU pass (waits left out), `erase-tune bench` on dlrm;
 #   n   the NE gap's evidence (scripts/ne_evidence.py): the noise floor of every shipped space (gpt
 #       in bf16 and float32) and the rank agreement of search and confirmed NE gaps over 12 plans.
 # On two H200s (nvidia-h200-x2):
@@ -130,6 +132,14 @@ case $phase in
     step tune_ctr32768 430 0 $py -m erase_tune start --space "$work/ctr-32768.yaml" --study ctr-32768 --storage "$db"
     step status_ctr32768 15 0 $py -m erase_tune status --study ctr-32768 --storage "$db"
     step export_ctr32768 90 0 $py -m erase_tune export --study ctr-32768 --storage "$db" -o "$work/best_32768.yaml" --json
+    ;;
+  h)
+    step gputests 150 0 $py -m pytest -q -m gpu tests/measure/test_hostcpu.py tests/test_reference_gpu.py \
+      tests/tune/test_reference_gpu.py -p no:cacheprovider
+    step host_table 330 0 $py scripts/host_table.py --workload dlrm --arg batch=4096 --arg train_batches=64 \
+      --arg eval_batches=2 --device cuda --windows 10 --window-steps 30 --cpu-windows 16 --out "$work/host_cpu_dlrm4096.json"
+    step bench_dlrm 120 0 $py -m erase_tune bench --workload dlrm --arg batch=4096 --arg train_batches=64 \
+      --arg eval_batches=2 --device cuda --windows 6 --window-steps 30 --only "ERASE blocking"
     ;;
   n)
     step ne_evidence 480 0 $py scripts/ne_evidence.py --out "$work" --rank-arg train_batches=1700

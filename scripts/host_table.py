@@ -5,7 +5,9 @@ user's plain training loop; the same loop inside a pass-through TorchFunctionMod
 intercepting every torch call costs); the engine with an empty plan; one module placed on a
 side stream; one cut (blocking, with a per-cut CUDA graph, threaded + per-cut graph,
 deferred); graphed pieces (captured and replayed inside the eager step, not detached); and
-the plain loop with a module wrapped by ``torch.cuda.make_graphed_callables`` by hand. Every
+the plain loop with a module wrapped by ``torch.cuda.make_graphed_callables`` by hand; a module whose
+work is negligible placed (its placement costs only the runtime's own work); and the plain loop doing a
+cut's aux-head work by hand (what a cut costs beyond its head is the cut minus that row). Every
 variant starts from the same weights, sees the same batches, and is timed in interleaved
 windows on the device (erase_tune.measure.time_interleaved); each ratio is the per-window
 median-QPS ratio against the plain loop, median [lo, hi].
@@ -27,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from erase_tune.measure import provenance, ratio_spread, time_interleaved  # noqa: E402
+from erase_tune.measure.hostcpu import host_cpu_interleaved, host_tax  # noqa: E402
 from erase_tune.runtime import Cut, ErasePlan, Graphed, Placement  # noqa: E402
 from erase_tune.runtime.device import resolve_device  # noqa: E402
 from erase_tune.trial import GRAPH_WARMUP, Variant, build_engine, jsonable_args  # noqa: E402
@@ -42,9 +45,19 @@ class _Plain:
     """The user's loop: zero_grad, forward, loss, backward, step (optionally under a mode, or
     with one module replaced by its hand-made graphed callable)."""
 
-    def __init__(self, workload, init, data, device, *, mode: bool = False, graph: str | None = None) -> None:
+    def __init__(self, workload, init, data, device, *, mode: bool = False, graph: str | None = None,
+                 head: tuple[str, torch.nn.Module, float] | None = None) -> None:
         self.model = copy.deepcopy(init).to(device)
-        self.opt = workload.optimizer(self.model.parameters())
+        self.head = None
+        params = list(self.model.parameters())
+        if head is not None:  # (module, its aux head, lambda): the cut's extra work, by hand
+            module, h, self.aux_weight = head
+            self.head = copy.deepcopy(h).to(device)
+            params += list(self.head.parameters())
+            cut = self.model.get_submodule(module)  # a cut: inputs and output detached, the head trains it
+            cut.register_forward_pre_hook(lambda m, a: tuple(x.detach() for x in a))
+            cut.register_forward_hook(lambda m, a, out: (setattr(self, "cut_out", out), out.detach())[1])
+        self.opt = workload.optimizer(params)
         self.loss_fn, self.data, self.mode, self.graph, self.calls = workload.loss_fn, data, mode, graph, 0
 
     def __call__(self, step: int) -> None:
@@ -58,6 +71,8 @@ class _Plain:
                 loss = self.loss_fn(self.model(*inputs), target)
         else:
             loss = self.loss_fn(self.model(*inputs), target)
+        if self.head is not None:  # what a deferred cut computes: the head on the detached output
+            loss = loss + self.aux_weight * self.loss_fn(self.head(self.cut_out), target)
         loss.backward()
         self.opt.step()
 
@@ -81,6 +96,9 @@ def main() -> None:
     ap.add_argument("--place", default="bot_l", help="the module placed and cut")
     ap.add_argument("--graph", default="top_l", help="the module graphed (by hand and by the engine)")
     ap.add_argument("--also-graph", default="bot_l", help="graphed beside --graph in the last engine row")
+    ap.add_argument("--negligible", default="auto",
+                    help="a module whose work is negligible, placed on a side stream (auto: the last leaf of the model)")
+    ap.add_argument("--cpu-windows", type=int, default=12, help="windows of the host-CPU pass (0: none)")
     ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--window-steps", type=int, default=30)
     ap.add_argument("--out")
@@ -92,8 +110,10 @@ def main() -> None:
     data, init = workload.make_data(device), workload.build_model()
     cuda = device.type == "cuda"
     p = a.place
+    tiny = _last_leaf(init) if a.negligible == "auto" else a.negligible
     plans = {
         "engine, empty plan": ErasePlan(),
+        f"{tiny} placed (negligible work)": ErasePlan(placements=(Placement(module=tiny, stream=1),), num_streams=1),
         f"{p} placed (side stream)": ErasePlan(placements=(Placement(module=p, stream=1),), num_streams=1),
         f"{p} detached, blocking": ErasePlan(cuts=(Cut(module=p),)),
         f"{p} detached, deferred": ErasePlan(cuts=(Cut(module=p),), dispatch="deferred"),
@@ -110,26 +130,54 @@ def main() -> None:
         runners[f"plain loop, {a.graph} graphed by hand"] = _Plain(workload, init, data, device, graph=a.graph)
     for name, plan in plans.items():
         runners[name] = Variant(plan=plan, engine=build_engine(workload, plan, init, data, device), data=data)
+    deferred = runners[f"{p} detached, deferred"].engine
+    by_hand = f"plain loop + {p}'s aux head by hand"
+    runners[by_hand] = _Plain(workload, init, data, device,
+                              head=(p, deferred.heads[p], deferred.plan.cuts[0].aux_weight))
     t = time_interleaved(runners, device=device, warmup_steps=GRAPH_WARMUP + 5, windows=a.windows,
                          window_steps=a.window_steps)
+    cpu = None
+    if a.cpu_windows:
+        cpu = host_cpu_interleaved(runners, device=device, warmup_steps=2, windows=a.cpu_windows,
+                                   window_steps=a.window_steps, start_step=t.next_step)
     plain = t.variants["plain loop"]
     batch = workload.batch_size
     rows = []
     for name, v in t.variants.items():
         r = ratio_spread(v, plain, batch)
         ms = sorted(v.steps_s)[len(v.steps_s) // 2] * 1e3
-        rows.append({"variant": name, "ms_per_step": ms, "vs_plain": [r.median, r.lo, r.hi],
-                     "plan": plans[name].describe() if name in plans else "plain loop"})
+        row = {"variant": name, "ms_per_step": ms, "vs_plain": [r.median, r.lo, r.hi],
+               "plan": plans[name].describe() if name in plans else "plain loop"}
+        if cpu is not None:
+            row["cpu_us_per_step"] = cpu.median_us(name)
+            row["cpu_tax_us"] = list(host_tax(cpu, name, "plain loop"))
+            row["cpu_tax_over_head_us"] = list(host_tax(cpu, name, by_hand)) if "detached" in name else None
+        rows.append(row)
     base = rows[0]["ms_per_step"]
-    print(f"{'variant, batch ' + str(batch):<52} {'ms/step':>8} {'µs vs plain':>12} {'vs plain loop':>22}")
+    print(f"{'variant, batch ' + str(batch):<52} {'ms/step':>8} {'vs plain loop':>22} {'host CPU µs':>12} "
+          f"{'CPU tax µs [lo, hi]':>24} {'beyond head':>12}")
     for r in rows:
         m, lo, hi = r["vs_plain"]
-        print(f"{r['variant']:<52} {r['ms_per_step']:>8.3f} {1e3 * (r['ms_per_step'] - base):>+12.0f} "
-              f"{m:>8.3f}x [{lo:.3f}-{hi:.3f}]")
+        line = f"{r['variant']:<52} {r['ms_per_step']:>8.3f} {m:>8.3f}x [{lo:.3f}-{hi:.3f}]"
+        if cpu is not None:
+            tm, tl, th = r["cpu_tax_us"]
+            over = r["cpu_tax_over_head_us"]
+            line += (f" {r['cpu_us_per_step']:>12,.0f} {f'{tm:+,.0f} [{tl:+,.0f}, {th:+,.0f}]':>24}"
+                     f" {f'{over[0]:+,.0f}' if over else '-':>12}")
+        print(line)
+    if cpu is not None:
+        print(f"host CPU: process CPU time per step, median of {a.cpu_windows} interleaved windows; {cpu.how}")
     if a.out:
         prov = provenance(device, workload=workload.name, workload_args=jsonable_args(workload.args),
-                          windows=a.windows, window_steps=a.window_steps)
-        Path(a.out).write_text(json.dumps({"rows": rows, "samples": t.to_dict(), "provenance": prov}, indent=1))
+                          windows=a.windows, window_steps=a.window_steps, cpu_windows=a.cpu_windows,
+                          negligible=tiny, host_cpu=cpu.how if cpu else None)
+        Path(a.out).write_text(json.dumps({"rows": rows, "samples": t.to_dict(), "provenance": prov,
+                                           "host_cpu": cpu.to_dict() if cpu else None}, indent=1))
+
+
+def _last_leaf(model: torch.nn.Module) -> str:
+    """The model's last registered leaf module (for dlrm: the top MLP's Sigmoid)."""
+    return [n for n, m in model.named_modules() if n and not list(m.children())][-1]
 
 
 def _value(text: str):

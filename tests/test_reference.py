@@ -52,8 +52,12 @@ def test_bench_host_cost_rows(capsys):
     for name in HOST_ROWS:
         assert rows[name].ms_per_step > 0 and math.isfinite(rows[name].vs_plain_us)
     host = result.host_table().splitlines()
-    assert [line.split("  ")[0].strip() for line in host[2:]] == list(HOST_ROWS)
-    assert all("µs/step" in line for line in host[3:])
+    assert [line.split("  ")[0].strip() for line in host[2:2 + len(HOST_ROWS)]] == list(HOST_ROWS)
+    assert all("µs/step" in line for line in host[3:2 + len(HOST_ROWS)])
+    # The host CPU pass: every host row has a CPU time; the plain loop's tax over itself is 0.
+    assert all(rows[n].host_cpu_us > 0 for n in HOST_ROWS) and rows[PLAIN].host_tax_us == (0.0, 0.0, 0.0)
+    assert host[-1].startswith("(host CPU:") and "cpu: no device waits" in host[-1]
+    assert result.to_dict()["host_cpu"] == "cpu: no device waits"
 
     assert main(["bench", "--workload", "tests.host_index:workload", "--device", "cpu", "--warmup", "5",
                  "--windows", "1", "--window-steps", "2", "--streams", "1"]) == 0
