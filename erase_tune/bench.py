@@ -13,8 +13,8 @@ overlap (overlapped time / side-stream busy time) is read off the trace.
 The host-cost rows show what the runtime's own host work costs on the user's model: the plain
 loop, the engine with an empty plan (the eager baseline), one placement and one blocking cut of
 the cheapest candidate (fewest parameters), each as ms/step and the difference to the plain
-loop in µs/step (per-window medians, so slow drift cancels), and, measured again in windows of
-their own, the process's CPU time per step with device waits left out and its difference to the
+loop in µs/step (per-window medians, so slow drift cancels), and, measured again in a pass of
+their own where they alternate step by step, the process's CPU time per step with device waits left out and its difference to the
 plain loop (:mod:`erase_tune.measure.hostcpu`): a host-bound step's wall time spreads too much
 from window to window to show a tax of tens of µs, its CPU time does not. On a host-bound model
 this tax, not the overlap, decides whether ERASE can win.
@@ -47,11 +47,12 @@ from erase_tune.measure import (
 )
 from erase_tune.measure.hostcpu import host_cpu_interleaved, host_tax
 from erase_tune.runtime import Cut, ErasePlan, Placement
+from erase_tune.runtime.probe import probe
 from erase_tune.runtime.device import resolve_device
 from erase_tune.trial import Budget, Variant, build_engine, jsonable_args, reference_capture_error, release
 from erase_tune.workloads import Workload, WorkloadData
 
-__all__ = ["BenchRow", "BenchResult", "bench_plans", "run_bench", "disjoint_cuts", "cheapest", "HOST_ROWS"]
+__all__ = ["BenchRow", "BenchResult", "bench_plans", "run_bench", "detachable", "disjoint_cuts", "cheapest", "HOST_ROWS"]
 
 PLAIN = "plain loop"
 EAGER = "eager baseline"
@@ -61,8 +62,10 @@ ONE_PLACEMENT = "one placement"
 ONE_CUT = "one cut (blocking)"
 HOST_ROWS = (PLAIN, EAGER, ONE_PLACEMENT, ONE_CUT)
 """The rows of the host-cost section, in order."""
-HOST_WINDOWS = 8
-"""Windows of the host-CPU pass at least (the wall-clock windows of a host-bound step spread ±10-20%)."""
+HOST_STEPS = 200
+"""Steps per host-cost row in the host-CPU pass at least, the rows alternating step by step: on a
+host-bound step both wall and CPU time drift by ±10-20% between 30-step windows, so only
+neighbouring steps compare."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -83,7 +86,7 @@ class BenchRow:
     """Median over windows of (this row's median step time - the plain loop's), µs per step."""
     host_cpu_us: float | None = None
     """Host-cost rows: the process's CPU time per step, µs, device waits left out
-    (:mod:`erase_tune.measure.hostcpu`), median over its own interleaved windows."""
+    (:mod:`erase_tune.measure.hostcpu`), median over its own pass, the rows alternating step by step."""
     host_tax_us: tuple[float, float, float] | None = None
     """Host-cost rows: (median, lo, hi) over windows of this row's host CPU µs/step minus the plain loop's."""
 
@@ -144,6 +147,26 @@ class BenchResult:
 
 def _ratio(r: tuple[float, float, float]) -> str:
     return f"{r[0]:.2f}x [{r[1]:.2f}-{r[2]:.2f}]"
+
+
+def detachable(candidates: Sequence[str], model: torch.nn.Module, workload: Workload, data: WorkloadData) -> list[str]:
+    """Candidates cut together, upstream first: each one that can be cut (a module that produces
+    the model's output, or returns more than one tensor, can only be placed or graphed), does not
+    overlap those before it, and leaves no parameter untrained with them (judged by one probe
+    forward of ``model``)."""
+    inputs, _ = data.batch(0)
+    found = probe(model, inputs if isinstance(inputs, tuple) else (inputs,), list(candidates),
+                  output=workload.output, model_loss=workload.model_loss)
+    keep: list[str] = []
+    for c in candidates:
+        try:
+            found.check_cut(c)
+            plan = ErasePlan(cuts=tuple(Cut(module=m) for m in [*keep, c]))
+        except EraseTuneError:  # PlanError included: cannot be cut, or overlaps one kept
+            continue
+        if not found.untrained(plan):
+            keep.append(c)
+    return keep
 
 
 def disjoint_cuts(candidates: Sequence[str]) -> list[str]:
@@ -248,13 +271,22 @@ def run_bench(
     if trace_dir is not None:  # before anything runs: a --trace that cannot be written fails at once
         trace_dir = _trace_dir(trace_dir)
     device = resolve_device(device)
-    chosen = list(cuts) if cuts else disjoint_cuts(workload.cut_candidates)
-    bench_plans(chosen, streams, device)  # bad cuts or streams: refused before anything runs
+    if cuts:
+        bench_plans(list(cuts), streams, device)  # bad cuts or streams: refused before anything runs
     # Before anything else runs in this process (a failed capture can upset the CUDA RNG).
     graph_error = reference_capture_error(workload, device, seed=budget.seed)
     torch.manual_seed(budget.seed)
     data = workload.make_data(device)
     init = workload.build_model()
+    if cuts:
+        chosen = list(cuts)
+    else:  # the workload's candidates that can be detached together
+        model = copy.deepcopy(init).to(device)
+        chosen = detachable(workload.cut_candidates, model, workload, data)
+        del model
+        if not chosen:
+            raise EraseTuneError(f"bench: none of {workload.name}'s cut candidates can be detached "
+                                 f"({', '.join(workload.cut_candidates)}): name modules to cut with --cuts")
     plans = bench_plans(chosen, streams, device, host=cheapest(chosen, init))
     if only:
         unknown = [n for n in only if n not in plans]
@@ -275,9 +307,9 @@ def run_bench(
         timings = time_interleaved(runners, device=device, warmup_steps=budget.warmup_steps,
                                    windows=budget.windows, window_steps=budget.window_steps)
         host = {n: runners[n] for n in HOST_ROWS if n in runners}
-        cpu = host_cpu_interleaved(host, device=device, warmup_steps=1, windows=max(budget.windows, HOST_WINDOWS),
-                                   window_steps=budget.window_steps, start_step=timings.next_step) \
-            if PLAIN in host and len(host) > 1 else None
+        cpu = host_cpu_interleaved(host, device=device, warmup_steps=1,
+                                   windows=max(budget.windows * budget.window_steps, HOST_STEPS), window_steps=1,
+                                   start_step=timings.next_step) if PLAIN in host and len(host) > 1 else None
         if trace_dir is not None:
             for name in TRACED:
                 if name in runners:

@@ -141,6 +141,15 @@ case $phase in
     step bench_dlrm 120 0 $py -m erase_tune bench --workload dlrm --arg batch=4096 --arg train_batches=64 \
       --arg eval_batches=2 --device cuda --windows 6 --window-steps 30 --only "ERASE blocking"
     ;;
+  h2)  # the host-CPU pass alternating step by step (drift cancels), bench on dlrm, the NE rank agreement
+    step host_table 200 0 $py scripts/host_table.py --workload dlrm --arg batch=4096 --arg train_batches=64 \
+      --arg eval_batches=2 --device cuda --windows 6 --window-steps 30 --cpu-windows 500 --cpu-window-steps 1 \
+      --out "$work/host_cpu_dlrm4096_alt.json"
+    step bench_dlrm 100 0 $py -m erase_tune bench --workload dlrm --arg batch=4096 --arg train_batches=64 \
+      --arg eval_batches=2 --device cuda --windows 6 --window-steps 30
+    step ne_rank 290 0 $py scripts/ne_evidence.py --out "$work" --spaces ctr --rank-arg train_batches=1700 \
+      --time-limit 120 --overrun 150
+    ;;
   n)
     step ne_evidence 480 0 $py scripts/ne_evidence.py --out "$work" --rank-arg train_batches=1700
     ;;

@@ -98,7 +98,10 @@ def main() -> None:
     ap.add_argument("--also-graph", default="bot_l", help="graphed beside --graph in the last engine row")
     ap.add_argument("--negligible", default="auto",
                     help="a module whose work is negligible, placed on a side stream (auto: the last leaf of the model)")
-    ap.add_argument("--cpu-windows", type=int, default=12, help="windows of the host-CPU pass (0: none)")
+    ap.add_argument("--cpu-windows", type=int, default=400, help="rounds of the host-CPU pass (0: none)")
+    ap.add_argument("--cpu-window-steps", type=int, default=1,
+                    help="steps per variant per round of the host-CPU pass (default 1: the variants alternate "
+                         "step by step, so drift between windows cancels)")
     ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--window-steps", type=int, default=30)
     ap.add_argument("--out")
@@ -139,7 +142,7 @@ def main() -> None:
     cpu = None
     if a.cpu_windows:
         cpu = host_cpu_interleaved(runners, device=device, warmup_steps=2, windows=a.cpu_windows,
-                                   window_steps=a.window_steps, start_step=t.next_step)
+                                   window_steps=a.cpu_window_steps, start_step=t.next_step)
     plain = t.variants["plain loop"]
     batch = workload.batch_size
     rows = []
@@ -166,10 +169,12 @@ def main() -> None:
                      f" {f'{over[0]:+,.0f}' if over else '-':>12}")
         print(line)
     if cpu is not None:
-        print(f"host CPU: process CPU time per step, median of {a.cpu_windows} interleaved windows; {cpu.how}")
+        print(f"host CPU: process CPU time per step, median of {a.cpu_windows} interleaved rounds of "
+              f"{a.cpu_window_steps} step(s); {cpu.how}")
     if a.out:
         prov = provenance(device, workload=workload.name, workload_args=jsonable_args(workload.args),
                           windows=a.windows, window_steps=a.window_steps, cpu_windows=a.cpu_windows,
+                          cpu_window_steps=a.cpu_window_steps,
                           negligible=tiny, host_cpu=cpu.how if cpu else None)
         Path(a.out).write_text(json.dumps({"rows": rows, "samples": t.to_dict(), "provenance": prov,
                                            "host_cpu": cpu.to_dict() if cpu else None}, indent=1))

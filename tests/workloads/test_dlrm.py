@@ -226,3 +226,14 @@ def test_a_criteo_file_is_read(tmp_path: Path) -> None:
     _raises(r"argument 'num_tables' must be 26 with Criteo data, got 5$", **{**args, "num_tables": 5})
     with pytest.raises(WorkloadError, match=r"^workload 'dlrm': data .* has 100 lines, too few for one training batch"):
         get_workload("dlrm", {**args, "batch": 128}).example(CPU)
+
+
+def test_bench_cuts_only_what_can_be_detached_together() -> None:
+    """`erase-tune bench --workload dlrm` without --cuts: the top MLP produces the output and its
+    first layers would starve the embeddings, so bench cuts the bottom MLP alone."""
+    from erase_tune.bench import detachable
+
+    wl = get_workload("dlrm", SMALL)
+    data, model = wl.make_data(torch.device("cpu")), wl.build_model()
+    assert detachable(wl.cut_candidates, model, wl, data) == ["bot_l"]
+    assert detachable(["top_l", "top_l.0:4"], model, wl, data) == []
