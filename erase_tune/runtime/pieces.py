@@ -25,7 +25,7 @@ import copy
 import dataclasses
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -35,6 +35,9 @@ from erase_tune.errors import CaptureError, PlanError, one_line, shown
 from erase_tune.runtime import device as dev
 from erase_tune.runtime.join import LazyJoin, Pending
 from erase_tune.runtime.plan import Cut, Graphed, Placement
+
+if TYPE_CHECKING:
+    from erase_tune.runtime.reduce import GradReducer
 
 __all__ = ["Host", "StepState", "Launcher", "CutRunner", "PlacedRunner", "GraphedRunner", "Passthrough", "tensors_in"]
 
@@ -53,6 +56,9 @@ class StepState:
     """Each cut's local loss (detached), for the step's reported loss."""
     deferred: list[Tensor] = dataclasses.field(default_factory=list)
     """Local losses whose backward joins the main loss's (``deferred`` dispatch)."""
+    reducer: GradReducer | None = None
+    """Issues each cut's gradient averaging right after its backward, in plan order (None: this
+    step issues none early: no process group, ``find_unused_parameters``, a per-cut capture)."""
 
 
 class Host(Protocol):
