@@ -190,7 +190,7 @@ class _Piece:
         join = host.state.join if host.state is not None else None
         if join is None:
             return args, kwargs, []
-        join._paused += 1
+        join.pause_depth += 1
         try:
             here = dev.current_stream(host.device)
             dev.wait_stream(stream, here)
@@ -200,7 +200,7 @@ class _Piece:
             inputs = tensors_in((args, kwargs))
             dev.record_stream(iter(inputs), stream, host.device)
         finally:
-            join._paused -= 1
+            join.pause_depth -= 1
         return args, kwargs, inputs
 
     def _hand_on(self, out: Any, inputs: list[Tensor], versions: list[int], stream: Any,
@@ -386,7 +386,7 @@ class GraphedRunner(_Piece):
         host.drain_workers()  # no other thread may touch the device while we capture
         join = host.state.join if host.state is not None else None
         if join is not None:
-            join._paused += 1  # the capture's own ops are no uses of side work
+            join.pause_depth += 1  # the capture's own ops are no uses of side work
         try:
             sample = tuple(a.detach().clone().requires_grad_(a.requires_grad) for a in args)
             piece = _Chain(self.modules, self.forwards)
@@ -397,7 +397,7 @@ class GraphedRunner(_Piece):
                                ) from e
         finally:
             if join is not None:
-                join._paused -= 1
+                join.pause_depth -= 1
         self.signature = sig
 
 

@@ -20,6 +20,10 @@ re-running the same command resumes; a study tuning another workload or measurin
 another baseline is refused (its trials would not be comparable). Each driver that starts
 on a study gets its own sampler seed (base seed + its order of arrival), so two drivers
 never propose the same sequence of plans.
+
+The job changes nothing process-wide: what the process it runs in must do (put the shipped
+code on the import path, put a SIGTERM handler back after ``ray.init``) is asked of the caller
+through :class:`DriverHooks`, which ``erase-tune start`` fills in (cli.py).
 """
 
 from __future__ import annotations
