@@ -9,6 +9,10 @@ lost mid-job (outcomes not yet stored are kept in a local journal for the next `
 environment variable that does not parse is exit 2 like a bad option (:mod:`erase_tune._env`).
 ``-v``/``-q`` set the level of the standard ``logging`` module, where progress goes
 (stderr); results go to stdout (``--json`` for machines).
+
+What a command changes in the process itself is decided here, never in the library: the
+signal handlers (SIGTERM's is put back after ray.init replaces it, in ``start`` and
+``export``) and the import path (the current directory; what ``start`` ships to the workers).
 """
 
 from __future__ import annotations
@@ -176,7 +180,7 @@ def cmd_bench(ns: argparse.Namespace) -> int:
 
 
 def cmd_start(ns: argparse.Namespace) -> int:
-    from erase_tune.tune.run.job import start_job
+    from erase_tune.tune.run.job import DriverHooks, start_job
     from erase_tune.tune.views.tables import progress_line, start_summary
 
     summary = start_job(ns.space, study_name=ns.study, trials=ns.trials, storage=ns.storage,
@@ -184,7 +188,8 @@ def cmd_start(ns: argparse.Namespace) -> int:
                         py_modules=ns.py_module, gpu_wait_s=ns.gpu_wait, grace_period_s=ns.grace_period,
                         confirm_windows=0 if ns.no_confirm else ns.repeats, quality_scale=ns.quality_scale,
                         quality_seeds=ns.quality_seeds,
-                        on_progress=lambda p: log.info(progress_line(p)))
+                        on_progress=lambda p: log.info(progress_line(p)),
+                        driver=DriverHooks(import_from=_import_from, ray_started=_sigterm_kept()))
     flag = f" --storage {shlex.quote(summary.storage)}"
     if ns.json:
         _emit_json({**dataclasses.asdict(summary),
@@ -195,6 +200,29 @@ def cmd_start(ns: argparse.Namespace) -> int:
     print(f"next: erase-tune status --study {summary.study_name}{flag}")
     print(f"      erase-tune export --study {summary.study_name}{flag} -o best.yaml")
     return 0
+
+
+def _import_from(dirs: Sequence[str]) -> None:
+    """``start``'s driver imports the workload too (to check the space): from where it is shipped."""
+    for d in dirs:
+        if d not in sys.path:
+            sys.path.insert(0, d)
+
+
+def _sigterm_kept() -> Callable[[], None]:
+    """What puts this command's SIGTERM handler back once Ray is up: ray.init installs one of its
+    own, which exits without cancelling anything. SIGTERM (timeout, Kubernetes, ``ray job stop``)
+    then ends the command as Ctrl-C does (``start``: trials cancelled and failed, the job marked
+    interrupted), exit 143 with one line. A handler that is no function (SIGTERM ignored) becomes ours."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    handler = signal.getsignal(signal.SIGTERM)
+    kept = handler if callable(handler) else _terminate
+
+    def put_back() -> None:
+        signal.signal(signal.SIGTERM, kept)
+
+    return put_back
 
 
 def cmd_status(ns: argparse.Namespace) -> int:
@@ -222,7 +250,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
     from erase_tune.tune.views.export import export_plan
     from erase_tune.tune.run.remote import confirming_executor
 
-    factory = confirming_executor(ns.ray_address, ns.working_dir, ns.py_module)
+    factory = confirming_executor(ns.ray_address, ns.working_dir, ns.py_module, on_ray_started=_sigterm_kept())
     done = export_plan(ns.storage, ns.study, ns.output, max_ne_gap=ns.max_ne_gap, pick=ns.pick,
                        windows=ns.repeats, force=ns.force, executor_factory=factory,
                        quality_scale=ns.quality_scale, quality_seeds=ns.quality_seeds)

@@ -25,7 +25,26 @@ from erase_tune.runtime.pieces import tensors_in
 if TYPE_CHECKING:
     from erase_tune.runtime.engine import EraseEngine
 
-__all__ = ["StepGraph"]
+__all__ = ["StepGraph", "step_graph", "capture_dispatch"]
+
+
+def step_graph(engine: EraseEngine) -> StepGraph | None:
+    """The engine's whole-step graph when its plan asks for one on CUDA, else None. The
+    optimizer is made ``capturable`` so that its step is captured too, unless a process group
+    averages the gradients first: then the optimizer runs eagerly after each replay."""
+    if not (engine.plan.whole_step_graph and engine.cuda):
+        return None
+    if engine.process_group is None:
+        for group in engine.optimizer.param_groups:
+            if "capturable" in group:
+                group["capturable"] = True
+    return StepGraph(engine)
+
+
+def capture_dispatch(dispatch: str) -> str:
+    """How cuts launch their backward in the steps a whole-step graph records (and its warm-up):
+    launch order is fixed at capture, so blocking, or deferred for the detach-only twin."""
+    return "deferred" if dispatch == "deferred" else "blocking"
 
 
 class StepGraph:
@@ -45,8 +64,7 @@ class StepGraph:
                 main, cap = dev.current_stream(eng.device), eng.capture_stream
                 dev.wait_stream(cap, main)
                 with dev.use_stream(cap):
-                    dispatch = "deferred" if eng.plan.dispatch == "deferred" else "blocking"
-                    loss = eng.eager_step(inputs, target, dispatch)
+                    loss = eng.eager_step(inputs, target, capture_dispatch(eng.plan.dispatch))
                 dev.wait_stream(main, cap)
                 self.steps += 1
                 return loss

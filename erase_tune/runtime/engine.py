@@ -36,15 +36,20 @@ Data parallel: with ``process_group=``, gradients are averaged across the group 
 all at the end, as the plan's ``find_unused_parameters`` says; under a whole-step graph, after
 the replay, with the optimizer run eagerly. docs/design.md, "Data parallel".
 
-How a piece is applied: the first module of a cut, placement or graphed piece gets an instance-level
-``forward`` that runs the whole piece (for a run ``blocks.2:5``: blocks 2, 3, 4 chained);
-later blocks of a run become identities while the engine is attached. ``close()`` restores
-the model.
+How a piece is applied (:mod:`erase_tune.runtime.attach`, with the refusals and the probe
+made at construction): the first module of a cut, placement or graphed piece gets an
+instance-level ``forward`` that runs the whole piece (for a run ``blocks.2:5``: blocks 2, 3,
+4 chained); later blocks of a run become identities while the engine is attached.
+``close()`` restores the model.
+
+This module is the public engine: its construction, the step, and what the runners and the
+step graph call back. The state of a step in progress is one
+:class:`~erase_tune.runtime.pieces.StepState` (``engine.state``), handed to the runners.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
@@ -54,16 +59,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from erase_tune.errors import EraseTuneError, PlanError, shown
+from erase_tune.errors import EraseTuneError
 from erase_tune.runtime import device as dev
-from erase_tune.runtime.capture import StepGraph
-from erase_tune.runtime.heads import HeadFactory, LinearHead, build_heads
+from erase_tune.runtime.attach import Patches, as_tuple, fit_plan, refuse_unfit
+from erase_tune.runtime.capture import StepGraph, capture_dispatch, step_graph
+from erase_tune.runtime.heads import HeadFactory, LinearHead
 from erase_tune.runtime.join import LazyJoin
-from erase_tune.runtime.pieces import CutRunner, GraphedRunner, Launcher, Passthrough, PlacedRunner, StepState, tensors_in
-from erase_tune.runtime.plan import ErasePlan, Placement
-from erase_tune.runtime.probe import FirstStepCheck, ProbeResult, probe, select_output
-from erase_tune.runtime.reduce import (GradReducer, broadcast_from_rank0, plan_reducer, refuse_nested_ddp,
-                                       refuse_sharded, refuse_sparse)
+from erase_tune.runtime.losscheck import check_main_loss, main_loss
+from erase_tune.runtime.pieces import CutRunner, Launcher, StepState
+from erase_tune.runtime.plan import ErasePlan
+from erase_tune.runtime.probe import FirstStepCheck
+from erase_tune.runtime.reduce import GradReducer, broadcast_from_rank0, plan_reducer, refuse_sparse
 
 __all__ = ["EraseEngine", "LinearHead"]
 
@@ -124,11 +130,16 @@ class EraseEngine:
     model: nn.Module
     plan: ErasePlan
     loss_fn: Callable[[Tensor, Tensor], Tensor]
+    output: Callable[[Any], Tensor] | None
+    model_loss: Callable[[Any], Tensor] | None
     optimizer: torch.optim.Optimizer
     heads: Mapping[str, nn.Module]
     """Aux head of each cut, by cut name."""
     graph_warmup: int
     process_group: Any
+    _head_modules: nn.ModuleList
+    _params: list[nn.Parameter]
+    """Model and head parameters, each once: what ``zero_grad`` clears."""
 
     # -- where it runs ----------------------------------------------------------------------------
     device: torch.device
@@ -137,12 +148,31 @@ class EraseEngine:
     """The stream CUDA graphs are captured on (None on the CPU)."""
     graph_owned: set[int]
     """ids of parameters whose gradients live in a CUDA graph's pool (never set to None)."""
+    _streams: list[Any]
+    """The plan's side streams (stream ``i`` of the plan is ``_streams[i - 1]``)."""
 
-    # -- the step in progress ---------------------------------------------------------------------
+    # -- the plan at work: runners patched into the model, and their helpers ----------------------
+    _patches: Patches
+    _cut_runners: list[CutRunner]
+    """The cuts' runners, in plan order (the reducer and the per-cut captures read them)."""
+    _launcher: Launcher
+    """Launches cuts' early backwards (the worker thread of ``threaded`` dispatch)."""
+    _join: LazyJoin | None
+    """Joins side-stream outputs where first read (None: no side work, or on the CPU)."""
+    _graph: StepGraph | None
+    """The whole-step CUDA graph (None: eager steps)."""
+    _reducer: GradReducer | None
+    """Averages gradients across ``process_group`` (None: single process)."""
+    _first_step: FirstStepCheck | None
+    """The check after the first backward that every trained parameter was reached."""
+
+    # -- the step in progress, and the steps so far -------------------------------------------------
     state: StepState | None
     """The forward in progress (None between steps): what the runners accumulate."""
     capture_retries: int
     """Whole-step captures that failed once and succeeded on the retry."""
+    _steps: int
+    """Eager steps completed (the first-step check runs in the first)."""
 
     def __init__(
         self,
@@ -158,63 +188,32 @@ class EraseEngine:
         output: Callable[[Any], Tensor] | None = None,
         model_loss: Callable[[Any], Tensor] | None = None,
     ) -> None:
-        if isinstance(model, nn.parallel.DistributedDataParallel):
-            raise EraseTuneError(
-                "EraseEngine takes the bare module, not DistributedDataParallel: pass model.module and "
-                "process_group=...; the engine averages gradients itself (DDP's reducer does not expect the "
-                "early backward passes of detached pieces)"
-            )
-        if plan.targets:
-            refuse_nested_ddp(model)
-        if process_group is not None:
-            refuse_sharded(model)
-        plan.check_model(model)
+        refuse_unfit(model, plan, process_group)
         self.model, self.plan, self.loss_fn, self.graph_warmup = model, plan, loss_fn, graph_warmup
-        self.output, self.model_loss = output, model_loss
-        params = list(model.parameters())
-        self.device = params[0].device if params else torch.device("cpu")
+        self.output, self.model_loss, self.process_group = output, model_loss, process_group
+        first = next(model.parameters(), None)
+        self.device = first.device if first is not None else torch.device("cpu")
         self.cuda = dev.is_cuda(self.device)
-        self.graph_owned = set()
-        self.state = None
-        self.capture_retries = 0
-        self._steps = 0
+        self.graph_owned, self.state, self.capture_retries, self._steps = set(), None, 0, 0
         self._launcher = Launcher(self.device)
-
-        self._first_step: FirstStepCheck | None = None
-        heads: dict[str, nn.Module] = {}
-        if plan.targets:
-            result, target = self._check_plan(example)
-            heads = build_heads(plan.cuts, result.outputs, result.model_output, result.output_activation, target,
-                                loss_fn, make_head)
-            # Kept for the first step's check; the example's tensors are not needed any more.
-            self._first_step = FirstStepCheck(dataclasses.replace(result, model_output=None, outputs={}), model)
+        heads, self._first_step = fit_plan(model, plan, example, loss_fn, make_head, output, model_loss)
         self._head_modules = nn.ModuleList(heads.values())
         self.heads = MappingProxyType(heads)
-        self._params = list(dict.fromkeys([*model.parameters(), *self._head_modules.parameters()]))
-
-        self.process_group = process_group
-        self._reducer: GradReducer | None = None
-        self._active: GradReducer | None = None  # the reducer of the step in progress
+        self._params = list(dict.fromkeys(self.parameters()))
         if process_group is not None:
             refuse_sparse(model)
             broadcast_from_rank0([*model.parameters(), *model.buffers(), *self._head_modules.parameters(),
                                   *self._head_modules.buffers()], process_group)
         self._streams = [dev.new_stream(self.device) for _ in range(plan.num_streams)]
         self.capture_stream = dev.new_stream(self.device)
-        side_work = any(t.stream for t in plan.targets)
-        self._join = LazyJoin(self.device) if self.cuda and side_work else None
+        self._join = LazyJoin(self.device) if self.cuda and any(t.stream for t in plan.targets) else None
         self.optimizer = (optimizer or functools.partial(torch.optim.Adam, lr=1e-3))(self.parameters())
-        whole = plan.whole_step_graph and self.cuda
-        if whole and process_group is None:  # else: eager optimizer after the replay
-            for group in self.optimizer.param_groups:
-                if "capturable" in group:
-                    group["capturable"] = True
-        self._graph = StepGraph(self) if whole else None
-        self._patched: list[tuple[nn.Module, Any]] = []  # (module, the instance forward it had, if any)
-        self._cut_runners = self._patch_plan(heads, whole)
-        if process_group is not None:
-            self._reducer = plan_reducer(process_group, self.plan, self._cut_runners, self.model,
-                                         self._head_modules, dict(self._named_parameters()), self.device)
+        self._graph = step_graph(self)
+        self._patches = Patches()
+        self._cut_runners = self._patches.patch_plan(self, model, plan, heads)
+        self._reducer = None if process_group is None else plan_reducer(
+            process_group, plan, self._cut_runners, model, self._head_modules, dict(self._named_parameters()),
+            self.device)
 
     # -- public API ------------------------------------------------------------------------------
 
@@ -226,7 +225,7 @@ class EraseEngine:
     def step(self, inputs: Tensor | Sequence[Any], target: Tensor) -> Tensor:
         """One training step (zero grads, forward, early + main backward, optimizer). Returns
         the detached total loss ``L_main + Σ λ_i ℓ_i`` as a device tensor (no CPU sync)."""
-        inputs = _as_tuple(inputs)
+        inputs = as_tuple(inputs)
         with torch.enable_grad():
             if self._graph is not None:
                 return self._graph.step(inputs, target)
@@ -245,16 +244,11 @@ class EraseEngine:
         """Compute gradients for one batch (no optimizer step, no zeroing); eager path. Under a
         process group the gradients are averaged across it before this returns (every call:
         accumulating over calls sums the averages)."""
-        return self._forward_backward(_as_tuple(inputs), target, self.plan.dispatch, self._reducer)
+        return self._forward_backward(as_tuple(inputs), target, self.plan.dispatch, self._reducer)
 
     def close(self) -> None:
         """Restore the model's own forwards and stop the worker thread."""
-        for m, own in reversed(self._patched):
-            if own is None:
-                m.__dict__.pop("forward", None)
-            else:
-                m.forward = own
-        self._patched = []
+        self._patches.restore()
         if self._first_step is not None:
             self._first_step.close()
         self._launcher.close()
@@ -284,8 +278,8 @@ class EraseEngine:
     def cut_backward_done(self, index: int, stream: Any, future: Future | None) -> None:
         """Cut ``index``'s local backward is queued (or, with ``future``, will be): under a process
         group with early reduction, issue the reductions that are due, in plan order."""
-        if self._active is not None and not self.plan.find_unused_parameters:
-            self._active.launched(index, stream, future)
+        if self.state is not None and self.state.reducer is not None:
+            self.state.reducer.launched(index, stream, future)
 
     # -- what the step graph uses (capture.StepGraph) ----------------------------------------------
 
@@ -317,8 +311,7 @@ class EraseEngine:
     def captured_step(self, inputs: tuple, target: Tensor) -> Tensor:
         """The work a whole-step capture records: forward + backward (no collectives; a blocking
         or deferred launch), then the optimizer unless a process group reduces first."""
-        dispatch = "deferred" if self.plan.dispatch == "deferred" else "blocking"
-        loss = self._forward_backward(inputs, target, dispatch, None)
+        loss = self._forward_backward(inputs, target, capture_dispatch(self.plan.dispatch), None)
         if self._reducer is None:
             self.optimizer.step()
         return loss
@@ -331,29 +324,21 @@ class EraseEngine:
     # -- the forward and backward ------------------------------------------------------------------
 
     def _forward_backward(self, inputs: tuple, target: Tensor, dispatch: str, reducer: GradReducer | None) -> Tensor:
-        state = StepState(target=target, join=self._join, dispatch=dispatch)
-        self.state = state
         if reducer is not None:
             reducer.begin()
-            # A per-cut graph captured in this step must not run beside collectives in flight:
-            # that step reduces everything at the end (every rank captures at the same step).
-            capture_now = any(r.graphed and r.graph is None and r.calls >= self.graph_warmup for r in self._cut_runners)
-            self._active = None if capture_now else reducer
+        state = StepState(target=target, join=self._join, dispatch=dispatch, reducer=self._early_reducer(reducer))
+        self.state = state
         try:
             with torch.enable_grad():
-                if state.join is not None:
-                    with state.join:
-                        out = self.model(*inputs)
-                        main = self._main_loss(out, target)
-                        total = main + sum(state.deferred) if state.deferred else main
-                    state.join.clear()
-                else:
+                with state.join if state.join is not None else contextlib.nullcontext():
                     out = self.model(*inputs)
-                    main = self._main_loss(out, target)
+                    main = main_loss(out, target, self.loss_fn, self.output, self.model_loss)
                     total = main + sum(state.deferred) if state.deferred else main
-                if self._active is not None:
-                    self._active.poll()
-                self._check_main_loss(main)
+                if state.join is not None:
+                    state.join.clear()
+                if state.reducer is not None:
+                    state.reducer.poll()
+                check_main_loss(main, self.plan)
                 total.backward()
             self._join_streams()
             if reducer is not None:
@@ -361,13 +346,22 @@ class EraseEngine:
             self._check_first_step()  # here too: a user's own step calls forward_backward alone
         finally:
             self.state = None
-            self._active = None
             if state.join is not None:
                 state.join.clear()
         loss = main.detach()
         for aux in state.aux_values:
             loss = loss + aux
         return loss
+
+    def _early_reducer(self, reducer: GradReducer | None) -> GradReducer | None:
+        """The reducer that averages each cut's gradients right after its backward in this step:
+        none with ``find_unused_parameters`` (all at the end), and none in a step that captures a
+        per-cut graph, which must not run beside collectives in flight (every rank captures at
+        the same step)."""
+        if reducer is None or self.plan.find_unused_parameters:
+            return None
+        capture_now = any(r.graphed and r.graph is None and r.calls >= self.graph_warmup for r in self._cut_runners)
+        return None if capture_now else reducer
 
     def _join_streams(self) -> None:
         # Kernels must be queued before wait_stream records its event: drain the workers first.
@@ -376,69 +370,6 @@ class EraseEngine:
             main = dev.current_stream(self.device)
             for s in self._streams:
                 dev.wait_stream(main, s)
-
-    # -- checking the plan and building the heads -------------------------------------------------
-
-    def _check_plan(self, example: tuple[Any, Tensor] | None) -> tuple[ProbeResult, Tensor]:
-        if example is None:
-            raise PlanError("EraseEngine needs example=(inputs, target) to check a plan with cuts, placements or "
-                            "graphed pieces against the model and size its aux heads")
-        inputs, target = example
-        targets = [t.module for t in self.plan.targets]
-        result = probe(self.model, _as_tuple(inputs), targets, output=self.output, model_loss=self.model_loss)
-        result.check_plan(self.plan)
-        return result, target
-
-    # -- internals --------------------------------------------------------------------------------
-
-    def _patch_plan(self, heads: Mapping[str, nn.Module], whole: bool) -> list[CutRunner]:
-        """Patch each element's first module with its runner; under a whole-step graph a graphed
-        piece is already inside the step's graph: on a side stream it is a placement."""
-        modules = dict(self.model.named_modules())
-        cut_runners = []
-        for i, cut in enumerate(self.plan.cuts):
-            graphed = cut.graph and dev.graphs_supported(self.device) and not self.plan.whole_step_graph
-            runner = CutRunner(self, i, cut, [modules[m] for m in cut.members], heads[cut.name], graphed)
-            cut_runners.append(runner)
-            self._patch(runner)
-        for placement in self.plan.placements:
-            self._patch(PlacedRunner(self, placement, [modules[m] for m in placement.members]))
-        for g in self.plan.graphs:
-            members = [modules[m] for m in g.members]
-            if not whole:
-                self._patch(GraphedRunner(self, g, members))
-            elif g.stream:
-                self._patch(PlacedRunner(self, Placement(module=g.module, stream=g.stream), members))
-        return cut_runners
-
-    def _patch(self, runner: Any) -> None:
-        first, *rest = runner.modules
-        for m, fwd in ((first, runner), *((m, Passthrough(m)) for m in rest)):
-            self._patched.append((m, m.__dict__.get("forward")))
-            m.forward = fwd  # instance attribute shadows the class's forward
-
-    def _check_main_loss(self, main: Tensor) -> None:
-        if isinstance(main, Tensor) and main.requires_grad:
-            return
-        if self.plan.cuts:
-            raise PlanError(f"the main loss has no gradient path under this plan: its cuts "
-                            f"({', '.join(shown(c.module) for c in self.plan.cuts)}) detach every path "
-                            "from the model's output to a trainable parameter")
-        raise EraseTuneError("the loss does not require grad: no trainable parameter reaches the model's output")
-
-    def _main_loss(self, out: Any, target: Tensor) -> Tensor:
-        """``model_loss(out)`` if the model computes its own, else ``loss_fn`` on the prediction
-        (``output(out)`` if the engine has a selector)."""
-        if self.model_loss is not None:
-            return select_output(self.model_loss, out, "model_loss")
-        if self.output is None:
-            return self.loss_fn(out, target)
-        pred = select_output(self.output, out)
-        if torch.is_grad_enabled() and not pred.requires_grad and any(t.requires_grad for t in tensors_in(out)):
-            raise EraseTuneError("output=: the prediction it picks is detached in the model's output, so no loss on it "
-                                 "trains the model: pass model_loss= to pick the loss the model computes itself "
-                                 "(DLRMTrain: lambda out: out[0])")
-        return self.loss_fn(pred, target)
 
     def _check_first_step(self) -> None:
         """After the first backward: every parameter the plain model trains was reached."""
@@ -451,9 +382,3 @@ class EraseEngine:
         yield from self.model.named_parameters()
         for name, head in self.heads.items():
             yield from ((f"head[{name}].{n}", p) for n, p in head.named_parameters())
-
-
-def _as_tuple(inputs: Any) -> tuple:
-    if isinstance(inputs, Tensor):
-        return (inputs,)
-    return tuple(inputs)

@@ -79,7 +79,7 @@ class Pending(Tensor):
         if not _is_metadata(func):
             for t in _tensors(args, kwargs):
                 join = getattr(t, "_erase_join", None)
-                if join is not None and not join._paused:
+                if join is not None and not join.pause_depth:
                     join.consume((t,), join.stream_now())
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
@@ -114,7 +114,10 @@ class LazyJoin(TorchFunctionMode):
         self._waited: set[tuple[int, Any]] = set()  # (id of done event, stream) already waited on
         self._read: dict[tuple[int, int], list[Any]] = {}  # storage key -> done events of side readers
         self._readers: list[Tensor] = []  # held until clear(), so no other tensor reuses their memory
-        self._paused = 0
+        self.pause_depth = 0
+        """Above 0 while ops run that are no uses of side work: the join's own bookkeeping
+        (:meth:`paused`), a runner entering a side piece or capturing one (it raises this
+        counter, then lowers it: cheaper than a context manager on every call)."""
 
     # -- what the engine tells it -------------------------------------------------------------------
 
@@ -124,7 +127,7 @@ class LazyJoin(TorchFunctionMode):
         them in place); ``done`` marks its end. Returns the outputs to hand on: the same tensors
         when guarded, :class:`Pending` aliases in the fast way."""
         written = list(written)
-        self._paused += 1
+        self.pause_depth += 1
         try:
             if written:  # later readers of these must wait, and only the mode sees them
                 self.hazards += 1
@@ -149,7 +152,7 @@ class LazyJoin(TorchFunctionMode):
                 handed.append(alias)
             return handed
         finally:
-            self._paused -= 1
+            self.pause_depth -= 1
 
     def stream_now(self) -> Any:
         return dev.current_stream(self.device)
@@ -218,11 +221,11 @@ class LazyJoin(TorchFunctionMode):
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """The engine's own bookkeeping ops (detach, record_stream) are not uses."""
-        self._paused += 1
+        self.pause_depth += 1
         try:
             yield
         finally:
-            self._paused -= 1
+            self.pause_depth -= 1
 
     def clear(self) -> None:
         """Forget this forward's side work (the engine joins every side stream at step end)."""
@@ -237,7 +240,7 @@ class LazyJoin(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         self.ops_seen += 1
-        if not self._paused and (self._pending or self._read) and not _is_metadata(func):
+        if not self.pause_depth and (self._pending or self._read) and not _is_metadata(func):
             stream = dev.current_stream(self.device)
             self.consume(_tensors(args, kwargs), stream)
             written = _written(func, args, kwargs)

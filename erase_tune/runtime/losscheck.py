@@ -8,6 +8,11 @@ batch (hundreds, not ~1). :func:`check_loss` runs the model once on an example b
 mode, no grad, the RNG restored) and raises a one-line :class:`PlanError` for each, blaming
 the loss. It holds for every plan, with or without cuts: it looks at the model and the loss only.
 
+Inside every training step, :func:`main_loss` is how an engine turns the model's output into
+the main loss (``model_loss=`` for a model that computes its own, else ``loss_fn`` on the
+prediction ``output=`` picks), and :func:`check_main_loss` is the one line for a main loss
+that cannot train anything.
+
 A mean-reduced loss is detected without knowing the loss: on the batch repeated twice it
 gives exactly the same value as on the batch (the mean of a multiset doubled is its mean); a
 sum-reduced loss gives twice the value. Outputs or targets that cannot be repeated along
@@ -23,9 +28,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from erase_tune.errors import PlanError, shown
+from erase_tune.errors import EraseTuneError, PlanError, shown
+from erase_tune.runtime.pieces import tensors_in
+from erase_tune.runtime.plan import ErasePlan
+from erase_tune.runtime.probe import select_output
 
-__all__ = ["check_loss", "check_loss_value"]
+__all__ = ["check_loss", "check_loss_value", "main_loss", "check_main_loss"]
 
 _SUM_RATIO = 1.5
 """Loss on the doubled batch over loss on the batch above this: not a mean (a sum gives 2)."""
@@ -73,6 +81,33 @@ def check_loss_value(output: Any, target: Tensor, loss_fn: Callable[[Tensor, Ten
                                 "loss gives the same value (likely cause: reduction='sum'; NE would be "
                                 "meaningless): use reduction='mean'")
     return value
+
+
+def main_loss(out: Any, target: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor],
+              output: Callable[[Any], Tensor] | None, model_loss: Callable[[Any], Tensor] | None) -> Tensor:
+    """``model_loss(out)`` if the model computes its own, else ``loss_fn`` on the prediction
+    (``output(out)`` if there is a selector)."""
+    if model_loss is not None:
+        return select_output(model_loss, out, "model_loss")
+    if output is None:
+        return loss_fn(out, target)
+    pred = select_output(output, out)
+    if torch.is_grad_enabled() and not pred.requires_grad and any(t.requires_grad for t in tensors_in(out)):
+        raise EraseTuneError("output=: the prediction it picks is detached in the model's output, so no loss on it "
+                             "trains the model: pass model_loss= to pick the loss the model computes itself "
+                             "(DLRMTrain: lambda out: out[0])")
+    return loss_fn(pred, target)
+
+
+def check_main_loss(main: Tensor, plan: ErasePlan) -> None:
+    """A main loss with no gradient: one line, blaming the plan's cuts when it has any."""
+    if isinstance(main, Tensor) and main.requires_grad:
+        return
+    if plan.cuts:
+        raise PlanError(f"the main loss has no gradient path under this plan: its cuts "
+                        f"({', '.join(shown(c.module) for c in plan.cuts)}) detach every path "
+                        "from the model's output to a trainable parameter")
+    raise EraseTuneError("the loss does not require grad: no trainable parameter reaches the model's output")
 
 
 def _doubled(output: Any, target: Tensor) -> tuple[Tensor, Tensor] | None:

@@ -25,7 +25,7 @@ import copy
 import dataclasses
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -35,6 +35,9 @@ from erase_tune.errors import CaptureError, PlanError, one_line, shown
 from erase_tune.runtime import device as dev
 from erase_tune.runtime.join import LazyJoin, Pending
 from erase_tune.runtime.plan import Cut, Graphed, Placement
+
+if TYPE_CHECKING:
+    from erase_tune.runtime.reduce import GradReducer
 
 __all__ = ["Host", "StepState", "Launcher", "CutRunner", "PlacedRunner", "GraphedRunner", "Passthrough", "tensors_in"]
 
@@ -53,6 +56,9 @@ class StepState:
     """Each cut's local loss (detached), for the step's reported loss."""
     deferred: list[Tensor] = dataclasses.field(default_factory=list)
     """Local losses whose backward joins the main loss's (``deferred`` dispatch)."""
+    reducer: GradReducer | None = None
+    """Issues each cut's gradient averaging right after its backward, in plan order (None: this
+    step issues none early: no process group, ``find_unused_parameters``, a per-cut capture)."""
 
 
 class Host(Protocol):
@@ -184,7 +190,7 @@ class _Piece:
         join = host.state.join if host.state is not None else None
         if join is None:
             return args, kwargs, []
-        join._paused += 1
+        join.pause_depth += 1
         try:
             here = dev.current_stream(host.device)
             dev.wait_stream(stream, here)
@@ -194,7 +200,7 @@ class _Piece:
             inputs = tensors_in((args, kwargs))
             dev.record_stream(iter(inputs), stream, host.device)
         finally:
-            join._paused -= 1
+            join.pause_depth -= 1
         return args, kwargs, inputs
 
     def _hand_on(self, out: Any, inputs: list[Tensor], versions: list[int], stream: Any,
@@ -380,7 +386,7 @@ class GraphedRunner(_Piece):
         host.drain_workers()  # no other thread may touch the device while we capture
         join = host.state.join if host.state is not None else None
         if join is not None:
-            join._paused += 1  # the capture's own ops are no uses of side work
+            join.pause_depth += 1  # the capture's own ops are no uses of side work
         try:
             sample = tuple(a.detach().clone().requires_grad_(a.requires_grad) for a in args)
             piece = _Chain(self.modules, self.forwards)
@@ -391,7 +397,7 @@ class GraphedRunner(_Piece):
                                ) from e
         finally:
             if join is not None:
-                join._paused -= 1
+                join.pause_depth -= 1
         self.signature = sig
 
 

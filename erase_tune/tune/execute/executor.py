@@ -16,20 +16,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import signal
 import socket
-import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from erase_tune._env import UPLOAD_ENV, env_mebibytes, env_text
-from erase_tune.errors import EraseTuneError, Terminated, first_line
+from erase_tune.errors import EraseTuneError, first_line
 from erase_tune.tune.execute.outcome import ConfirmOutcome, Failure, TrialOutcome
 from erase_tune.tune.execute.task import ConfirmSpec, ReferenceOutcome, ReferenceSpec, TrialSpec
 from erase_tune.tune.execute.actors import WorkerGroup
 
-__all__ = ["TrialHandle", "RayExecutor", "resolve_address"]
+__all__ = ["TrialHandle", "RayExecutor", "resolve_address", "runtime_env", "import_dirs"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -76,7 +74,9 @@ class RayExecutor:
 
     def __init__(self, address: str | None = None, *, workload: str, slots: int | None = None,
                  device: str = "auto", gpus_per_trial: int = 1, runtime_env: Mapping[str, Any] | None = None,
-                 gpu_wait_s: float = 600.0) -> None:
+                 gpu_wait_s: float = 600.0, on_ray_started: Callable[[], None] | None = None) -> None:
+        """``on_ray_started`` is called in this process once Ray is up (ray.init installs a SIGTERM
+        handler of its own: a program that handles SIGTERM puts its handler back there)."""
         import ray
 
         self._ray = ray
@@ -87,7 +87,6 @@ class RayExecutor:
         if address and address != "auto":
             _check_reachable(address)
         env = dict(runtime_env or {})
-        previous = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
         if not ray.is_initialized():
             try:
                 if address:
@@ -104,12 +103,8 @@ class RayExecutor:
                 where = f"at {address!r}" if address else "locally"
                 raise EraseTuneError(f"cannot start or join Ray {where}: {first_line(e)}") from None
             self._started_ray = True
-        if threading.current_thread() is threading.main_thread():
-            # SIGTERM (timeout, Kubernetes, `ray job stop`) ends the job as Ctrl-C does: trials
-            # cancelled and failed, the job marked interrupted. Set after ray.init, which
-            # installs a handler of its own that only prints a stack.
-            # The handler that was there before (the CLI's, which also sets the exit code), else ours.
-            signal.signal(signal.SIGTERM, previous if callable(previous) else _interrupt)
+        if on_ray_started is not None:
+            on_ray_started()
         resources = ray.cluster_resources()
         gpus, cpus = int(resources.get("GPU", 0)), int(resources.get("CPU", 1))
         if device == "cuda" and not gpus and not address:
@@ -335,10 +330,6 @@ class RayExecutor:
         self._groups[self._groups.index(group)] = self._new_group()
 
 
-def _interrupt(signum: int, frame: Any) -> None:
-    raise Terminated(signum)
-
-
 def _check_reachable(address: str) -> None:
     """Fail in seconds, with one line, where Ray would retry an unreachable head for minutes
     (the GCS at ``host:port``, or the client server at ``ray://host:port``)."""
@@ -394,6 +385,14 @@ def _tree_size(root: str, limit: int) -> tuple[int, int]:
 
 def _mib(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
+
+
+def import_dirs(env: Mapping[str, Any]) -> list[str]:
+    """Where the code a :func:`runtime_env` ships imports from: each py_module's parent
+    directory, then the working_dir (what a driver that imports it too puts on its path)."""
+    working_dir = env.get("working_dir")
+    return [path if path == working_dir else os.path.dirname(path)
+            for path in [*env.get("py_modules", []), working_dir] if path]
 
 
 def runtime_env(working_dir: str | None, py_modules: Sequence[str]) -> dict[str, Any]:

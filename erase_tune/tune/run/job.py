@@ -20,6 +20,10 @@ re-running the same command resumes; a study tuning another workload or measurin
 another baseline is refused (its trials would not be comparable). Each driver that starts
 on a study gets its own sampler seed (base seed + its order of arrival), so two drivers
 never propose the same sequence of plans.
+
+The job changes nothing process-wide: what the process it runs in must do (put the shipped
+code on the import path, put a SIGTERM handler back after ``ray.init``) is asked of the caller
+through :class:`DriverHooks`, which ``erase-tune start`` fills in (cli.py).
 """
 
 from __future__ import annotations
@@ -27,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,7 +41,7 @@ from erase_tune.store import default_storage_url
 from erase_tune.store.engine import parse_url
 from erase_tune.store.storage import open_storage
 from erase_tune.tune.search.checks import CheckedSpace, check_space
-from erase_tune.tune.execute.executor import RayExecutor, runtime_env
+from erase_tune.tune.execute.executor import RayExecutor, import_dirs, runtime_env
 from erase_tune.tune.run.confirm import confirm_front, confirm_quality_front, with_quality
 from erase_tune.tune.run.journal import Journal
 from erase_tune.tune.run.loop import HEARTBEAT_S, Loop, Progress
@@ -49,7 +52,7 @@ from erase_tune.tune.search.study import Attr, FrontPoint, make_sampler, noise_b
 from erase_tune.tune.execute.task import ConfirmSpec, ReferenceSpec
 from erase_tune.workloads import module_of
 
-__all__ = ["JobSummary", "start_job", "JobFailed"]
+__all__ = ["JobSummary", "start_job", "JobFailed", "DriverHooks"]
 
 log = logging.getLogger("erase_tune")
 
@@ -61,6 +64,24 @@ class JobFailed(EraseTuneError):
     """The job ran but ended without what it was asked for (every trial failed, too many failed)."""
 
     exit_code = 1
+
+
+def _nothing(*args: Any) -> None:
+    pass
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DriverHooks:
+    """What :func:`start_job` leaves to the program it runs in: changes to the process itself,
+    which a library does not make (``erase-tune start`` supplies them, in cli.py)."""
+
+    import_from: Callable[[Sequence[str]], None] = _nothing
+    """Called with the directories the code shipped to the workers (``working_dir``,
+    ``py_modules``) imports from, before the driver imports the workload to check the space.
+    Left out, the workload must be importable in this process already."""
+    ray_started: Callable[[], None] = _nothing
+    """Called once Ray is up in this process (``ray.init`` installs a SIGTERM handler of its own,
+    which exits without cancelling the trials or marking the job)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -99,9 +120,11 @@ def start_job(
     on_progress: Callable[[Progress], None] = lambda p: None,
     quality_scale: int | None = None,
     quality_seeds: int | None = None,
+    driver: DriverHooks = DriverHooks(),
 ) -> JobSummary:
     """Run (or resume) a tuning job; see the module docstring. ``quality_scale``/``quality_seeds``
-    override the space's budget fields for the quality confirmation at the end."""
+    override the space's budget fields for the quality confirmation at the end. ``driver``: what
+    the job asks of the process it runs in (``erase-tune start`` changes the process there)."""
     space = with_quality(SearchSpace.load(space_path), quality_scale, quality_seeds)
     # Absolute, and now: export re-reads the space's relative py_modules against its directory,
     # from anywhere; and a Ray job's working directory may be gone once Ray has started.
@@ -123,15 +146,12 @@ def start_job(
     if not 0 <= gpu_wait_s <= MAX_WAIT_S:  # also refuses nan
         raise EraseTuneError(f"--gpu-wait: {gpu_wait_s} must be in 0..{MAX_WAIT_S} seconds (at most a week)")
     env = runtime_env(working_dir or space.working_dir, [*space.py_modules, *py_modules])
-    for path in [*env.get("py_modules", []), env.get("working_dir")]:
-        # The driver imports the workload too (to check the space): from where it is shipped.
-        parent = path if path == env.get("working_dir") else os.path.dirname(path)
-        if path and parent not in sys.path:
-            sys.path.insert(0, parent)
+    driver.import_from(import_dirs(env))  # the driver imports the workload too (to check the space)
     checked = check_space(space)
 
     executor = RayExecutor(ray_address, workload=space.workload, slots=slots, device=space.device,
-                           gpus_per_trial=space.gpus_per_trial, runtime_env=env, gpu_wait_s=gpu_wait_s)
+                           gpus_per_trial=space.gpus_per_trial, runtime_env=env, gpu_wait_s=gpu_wait_s,
+                           on_ray_started=driver.ray_started)
     try:
         if space.gain_over == "graph" and executor.device != "cuda":
             raise EraseTuneError(f"{space.source}: gain_over: graph needs GPU trial slots, and this Ray cluster has "

@@ -21,9 +21,10 @@ from erase_tune.tune.search.space import SearchSpace
 __all__ = ["confirming_executor"]
 
 
-def confirming_executor(address: str | None, working_dir: str | None,
-                        py_modules: Sequence[str]) -> Callable[[Job | None], Any]:
-    """A factory ``export`` calls with the job: a context giving (executor, space)."""
+def confirming_executor(address: str | None, working_dir: str | None, py_modules: Sequence[str],
+                        on_ray_started: Callable[[], None] | None = None) -> Callable[[Job | None], Any]:
+    """A factory ``export`` calls with the job: a context giving (executor, space).
+    ``on_ray_started``: as :class:`RayExecutor` takes it (the CLI puts its SIGTERM handler back)."""
 
     @contextlib.contextmanager
     def open_for(job: Job | None) -> Iterator[tuple[RayExecutor, SearchSpace]]:
@@ -33,7 +34,7 @@ def confirming_executor(address: str | None, working_dir: str | None,
         space = SearchSpace.loads(job.space_yaml, source=job.space_path, base=Path(job.space_path).parent)
         env = runtime_env(working_dir or space.working_dir, [*space.py_modules, *py_modules])
         executor = RayExecutor(address, workload=space.workload, slots=1, device=space.device,
-                               gpus_per_trial=space.gpus_per_trial, runtime_env=env)
+                               gpus_per_trial=space.gpus_per_trial, runtime_env=env, on_ray_started=on_ray_started)
         try:
             yield executor, space
         finally:
