@@ -150,6 +150,17 @@ case $phase in
     step ne_rank 290 0 $py scripts/ne_evidence.py --out "$work" --spaces ctr --rank-arg train_batches=1700 \
       --time-limit 120 --overrun 150
     ;;
+  h3)  # after the engine split: the GPU tests; where a placement's host time goes; mlp's noise floor;
+       # a dlrm study with its noise floor and its front confirmed for speed and quality
+    step gputests 200 0 $py -m pytest -q -m gpu tests/runtime tests/measure tests/workloads/test_dlrm.py \
+      tests/test_reference_gpu.py tests/tune/test_reference_gpu.py tests/test_noise.py -p no:cacheprovider
+    step host_profile 45 0 $py scripts/host_profile.py --workload dlrm --arg batch=4096 --arg train_batches=64 \
+      --arg eval_batches=2 --device cuda --steps 100
+    step ne_mlp 60 0 $py scripts/ne_evidence.py --out "$work" --spaces mlp --skip-rank --time-limit 50
+    step tune_dlrm 230 0 $py -m erase_tune start --space search_spaces/dlrm.yaml --study dlrm-q \
+      --storage "sqlite:///$work/dlrm_q.db" --trials 6 --quality-scale 2 --quality-seeds 2
+    step status_dlrm 15 0 $py -m erase_tune status --study dlrm-q --storage "sqlite:///$work/dlrm_q.db"
+    ;;
   n)
     step ne_evidence 480 0 $py scripts/ne_evidence.py --out "$work" --rank-arg train_batches=1700
     ;;
