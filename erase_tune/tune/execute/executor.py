@@ -241,8 +241,11 @@ class RayExecutor:
 
     def _confirm_once(self, spec: ConfirmSpec, timeout: float) -> ConfirmOutcome:
         deadline = time.monotonic() + timeout
-        log.info(f"confirming {len(spec.plans)} front plan(s) over {spec.windows} windows on one trial slot: at most "
-                 f"{timeout:.0f}s; Ctrl-C stops (nothing is stored for an unfinished confirmation)")
+        what = {"speed": f"re-timing {len(spec.plans)} front plan(s) over {spec.windows} windows",
+                "quality": f"training {len(spec.plans)} front plan(s) longer for their NE gap",
+                "noise": "measuring the NE gap's noise floor"}.get(spec.task, spec.task)
+        log.info(f"{what} on one trial slot: at most {timeout:.0f}s; Ctrl-C stops (nothing is stored for an "
+                 "unfinished confirmation)")
         while not self.idle():
             if time.monotonic() > deadline:
                 return ConfirmOutcome(failure=Failure(kind="infra", reason="no free trial slot for the confirmation"))
