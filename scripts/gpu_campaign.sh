@@ -161,6 +161,14 @@ case $phase in
       --storage "sqlite:///$work/dlrm_q.db" --trials 6 --quality-scale 2 --quality-seeds 2
     step status_dlrm 15 0 $py -m erase_tune status --study dlrm-q --storage "sqlite:///$work/dlrm_q.db"
     ;;
+  h4)  # the stream fast path (runtime/device.py): the runtime GPU tests, the attribution, the host table again
+    step gputests 110 0 $py -m pytest -q -m gpu tests/runtime tests/measure/test_hostcpu.py -p no:cacheprovider
+    step host_profile 60 0 $py scripts/host_profile.py --workload dlrm --arg batch=4096 --arg train_batches=64 \
+      --arg eval_batches=2 --device cuda --steps 60 --rounds 400
+    step host_table 120 0 $py scripts/host_table.py --workload dlrm --arg batch=4096 --arg train_batches=64 \
+      --arg eval_batches=2 --device cuda --windows 4 --window-steps 30 --cpu-windows 400 --cpu-window-steps 1 \
+      --out "$work/host_cpu_dlrm4096_fast.json"
+    ;;
   n)
     step ne_evidence 480 0 $py scripts/ne_evidence.py --out "$work" --rank-arg train_batches=1700
     ;;

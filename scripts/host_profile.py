@@ -3,6 +3,8 @@ an empty plan and with one module whose work is negligible placed on a side stre
 
     python scripts/host_profile.py --workload dlrm --arg batch=4096 --device cuda [--module top_l.9]
 
+Then an attribution pass: the placement as shipped, with torch's Python stream API, and with
+``record_stream`` skipped, each against the empty plan, alternating step by step.
 Prints, per variant, the process CPU µs per step (device waits left out: erase_tune.measure.hostcpu)
 and the functions whose own time per step differs most between the two (profiled steps are
 slower than real ones; read the differences, not the absolute figures).
@@ -21,7 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from erase_tune.measure.hostcpu import blocking_sync  # noqa: E402
+from erase_tune.measure.hostcpu import blocking_sync, host_cpu_interleaved, host_tax  # noqa: E402
+from erase_tune.runtime import device as dev  # noqa: E402
 from erase_tune.runtime import ErasePlan, Placement  # noqa: E402
 from erase_tune.runtime.device import resolve_device  # noqa: E402
 from erase_tune.trial import GRAPH_WARMUP, Variant, build_engine  # noqa: E402
@@ -35,6 +38,7 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--module", default="auto", help="the placed module (auto: the model's last leaf)")
     ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--rounds", type=int, default=300, help="rounds of the attribution pass (0: none)")
     a = ap.parse_args()
     args = {k: _value(v) for k, v in (s.split("=", 1) for s in a.arg)}
     wl = get_workload(a.workload, args)
@@ -66,6 +70,8 @@ def main() -> None:
             prof.disable()
             stats[name] = pstats.Stats(prof).stats  # (file, line, fn) -> (cc, nc, tt, ct, callers)
     print(how)
+    if a.rounds:
+        attribute(variants, device, a.rounds)
     (ea, eb) = stats.values()
     keys = set(ea) | set(eb)
 
@@ -80,6 +86,45 @@ def main() -> None:
     for name, st in stats.items():
         print(f"{name}: {sum(v[2] for v in st.values()) / a.steps * 1e6:.0f} µs/step profiled, "
               f"{sum(v[1] for v in st.values()) / a.steps:.0f} calls/step")
+
+
+class _Patched:
+    """A variant stepped with some of erase_tune.runtime.device's functions swapped (attribution only)."""
+
+    def __init__(self, variant, **swap) -> None:
+        self.variant, self.swap = variant, swap
+
+    def __call__(self, step: int) -> None:
+        saved = {k: getattr(dev, k) for k in self.swap}
+        for k, v in self.swap.items():
+            setattr(dev, k, v)
+        try:
+            self.variant(step)
+        finally:
+            for k, v in saved.items():
+                setattr(dev, k, v)
+
+
+def attribute(variants: dict, device, rounds: int) -> None:
+    """CPU µs/step over the empty plan, the variants alternating step by step: the placement as
+    shipped; with torch's Python stream API (what the runtime used before); with record_stream
+    skipped (not safe for training: it shows what the allocator's cross-stream bookkeeping costs)."""
+    empty, placed = variants.values()
+    runners = {
+        "empty plan": empty,
+        "placed (as shipped)": placed,
+        "placed, torch.cuda stream API": _Patched(
+            placed, current_stream=lambda d: torch.cuda.current_stream(d) if d.type == "cuda" else None,
+            use_stream=lambda s: torch.cuda.stream(s) if s is not None else __import__("contextlib").nullcontext()),
+        "placed, no record_stream": _Patched(placed, record_stream=lambda tensors, stream, device: None),
+    }
+    cpu = host_cpu_interleaved(runners, device=device, warmup_steps=2, windows=rounds, window_steps=1,
+                               start_step=10_000)
+    print(f"attribution: CPU µs/step, {rounds} rounds alternating step by step; tax = median of the difference "
+          "to the empty plan in the same round")
+    for name in runners:
+        m, lo, hi = host_tax(cpu, name, "empty plan")
+        print(f"  {name:<34} {cpu.median_us(name):>8,.0f} µs   tax {m:+7,.0f}")
 
 
 def _value(text: str):

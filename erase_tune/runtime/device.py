@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -64,8 +65,20 @@ def is_capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+_STREAMS: dict[tuple[int, int, int], Any] = {}
+"""Stream objects by torch's (stream id, device index, device type): ``torch.cuda.current_stream``
+builds a new Python ``Stream`` (and resolves the device) on every call, several µs each, and a
+placement asks for the current stream a few times per step; a stream's identity never changes."""
+
+
 def current_stream(device: torch.device):
-    return torch.cuda.current_stream(device) if device.type == "cuda" else None
+    if device.type != "cuda":
+        return None
+    key = torch._C._cuda_getCurrentStream(device.index if device.index is not None else torch._C._cuda_getDevice())
+    stream = _STREAMS.get(key)
+    if stream is None:
+        stream = _STREAMS[key] = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
+    return stream
 
 
 def new_stream(device: torch.device):
@@ -74,7 +87,36 @@ def new_stream(device: torch.device):
 
 def use_stream(stream) -> contextlib.AbstractContextManager:
     """Make ``stream`` current (no-op for ``None``)."""
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+    return _StreamSwitch(stream) if stream is not None else contextlib.nullcontext()
+
+
+class _StreamSwitch:
+    """``torch.cuda.stream(stream)`` without its Python overhead (it resolves the device and
+    builds a ``Stream`` for the previous stream on every entry): torch's own C-level calls, for
+    a stream on the current device; another device's stream goes through ``torch.cuda.stream``."""
+
+    __slots__ = ("stream", "previous", "fallback")
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.previous: tuple[int, int, int] | None = None
+        self.fallback: Any = None
+
+    def __enter__(self) -> None:
+        s = self.stream
+        if s.device_index != torch._C._cuda_getDevice():
+            self.fallback = torch.cuda.stream(s)
+            self.fallback.__enter__()
+            return
+        self.previous = torch._C._cuda_getCurrentStream(s.device_index)
+        torch._C._cuda_setStream(stream_id=s.stream_id, device_index=s.device_index, device_type=s.device_type)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fallback is not None:
+            self.fallback.__exit__(*exc)
+            return
+        sid, index, kind = self.previous  # type: ignore[misc]
+        torch._C._cuda_setStream(stream_id=sid, device_index=index, device_type=kind)
 
 
 def wait_stream(consumer, producer) -> None:
