@@ -30,7 +30,7 @@ from erase_tune.errors import EraseTuneError, PlanError, shown
 from erase_tune.runtime import Cut, ErasePlan
 from erase_tune.runtime.plan import targets_overlap
 from erase_tune.runtime.probe import ProbeResult, probe
-from erase_tune.tune.search.codec import BoundSpace, Guard
+from erase_tune.tune.search.codec import BoundSpace, DetachGuard, Guard
 from erase_tune.tune.search.space import SearchSpace
 from erase_tune.workloads import get_workload
 
@@ -52,11 +52,12 @@ def check_space(space: SearchSpace) -> BoundSpace:
             raise EraseTuneError(f"{space.source}: cuts.candidates: {str(e).split(': ', 1)[-1]}") from None
     inputs, _ = workload.example(torch.device("cpu"))
     found = probe(model, tuple(inputs), candidates, output=workload.output, model_loss=workload.model_loss)
-    base_guard = _guard(found)
+    bound = BoundSpace(space, candidates)  # each candidate's modes, resolved once
+    base_guard = DetachGuard(found)
     never: set[str] = set()  # candidates no plan may detach: offered their other modes only
     greedy: list[Cut] = []  # every earlier candidate that can be detached, detached
     for c in candidates:
-        modes = space.modes_of(c)
+        modes = bound.modes[c]
         try:
             found.check_placement(c)
             if "graph" in modes:
@@ -74,7 +75,7 @@ def check_space(space: SearchSpace) -> BoundSpace:
                 never.add(c)  # one of the workload's own candidates, offered its other modes
         except PlanError as e:
             raise EraseTuneError(f"{space.source}: cuts.candidates: {e}") from None
-    bound = BoundSpace(space, candidates, can_detach=lambda cuts, c: c not in never and base_guard(cuts, c))
+    bound = dataclasses.replace(bound, can_detach=base_guard.excluding(never))
     seeds = []
     for i, (seed_name, plan) in enumerate(space.seeds):
         try:
@@ -101,15 +102,3 @@ def _never_detached(found: ProbeResult, can_detach: Guard, greedy: Sequence[Cut]
     plan = ErasePlan(cuts=(*greedy, Cut(module=candidate)))
     return f"{found.starved_message(plan, found.untrained(plan))}, even with every candidate before it detached too"
 
-
-def _guard(found: ProbeResult) -> Guard:
-    """Detaching a candidate is allowed when it starves no parameter the cuts before it did not."""
-    cache: dict[frozenset[str], frozenset[str]] = {}
-
-    def starved(cuts: Sequence[Cut]) -> frozenset[str]:
-        key = frozenset(c.module for c in cuts)
-        if key not in cache:
-            cache[key] = frozenset(found.untrained(ErasePlan(cuts=tuple(Cut(module=m) for m in sorted(key)))))
-        return cache[key]
-
-    return lambda cuts, candidate: starved([*cuts, Cut(module=candidate)]) <= starved(cuts)

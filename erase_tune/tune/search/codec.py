@@ -1,9 +1,11 @@
 """The codec between Optuna parameters and plans, for one space bound to its model.
 
-A :class:`BoundSpace` is the space, the candidates it searches (its own, or the workload's),
-its seed plans as trial parameters, and the guard that says when a candidate may be
-detached. :func:`erase_tune.tune.search.checks.check_space` makes it once, before any trial
-runs; the driver, the sampler and the replay use that one object. Both directions of the
+A :class:`BoundSpace` is the space, the candidates it searches (its own, or the workload's)
+with each one's modes, its seed plans as trial parameters, and the guard that says when a
+candidate may be detached (:class:`DetachGuard`, the model's probe asked once per set of
+cuts). :func:`erase_tune.tune.search.checks.check_space` makes it once, before any trial
+runs; the driver, the sampler and the replay use that one object, and it needs nothing from
+the modules before it once made. Both directions of the
 codec sit here side by side and are kept inverse to each other: :meth:`BoundSpace.plan`
 (define-by-run: ask an Optuna trial for one plan) and :meth:`BoundSpace.params` (the
 parameters under which :meth:`~BoundSpace.plan` yields a given plan, for
@@ -26,20 +28,47 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from erase_tune.runtime import Cut, ErasePlan, Graphed, Placement
 from erase_tune.runtime.plan import targets_overlap
-from erase_tune.tune.search.space_file import SpaceError
+from erase_tune.tune.search.space import SearchSpace, SpaceError
 
-if TYPE_CHECKING:  # the space is data this module reads; it imports this module for its thin wrappers
-    from erase_tune.tune.search.space import SearchSpace
+if TYPE_CHECKING:
+    from erase_tune.runtime.probe import ProbeResult
 
-__all__ = ["BoundSpace", "Guard"]
+__all__ = ["BoundSpace", "DetachGuard", "Guard"]
 
 Guard = Callable[[Sequence[Cut], str], bool]
 """``(cuts chosen so far, candidate) -> whether the candidate may be detached now``."""
+
+
+class DetachGuard:
+    """A :data:`Guard` from the model's probe: detaching a candidate is allowed when it starves
+    no parameter the cuts before it did not, and it is not among ``never`` (candidates no plan
+    may detach). What a set of cuts starves is asked of the probe once."""
+
+    def __init__(self, found: ProbeResult, never: Iterable[str] = ()) -> None:
+        self.found, self.never = found, frozenset(never)
+        self._starved: dict[frozenset[str], frozenset[str]] = {}
+
+    def excluding(self, never: Iterable[str]) -> DetachGuard:
+        """The same guard (and what it has learnt) that also refuses ``never``."""
+        guard = DetachGuard(self.found, never)
+        guard._starved = self._starved
+        return guard
+
+    def __call__(self, cuts: Sequence[Cut], candidate: str) -> bool:
+        return candidate not in self.never and self.starved([*cuts, Cut(module=candidate)]) <= self.starved(cuts)
+
+    def starved(self, cuts: Sequence[Cut]) -> frozenset[str]:
+        """The parameters a plan of ``cuts`` leaves without a gradient."""
+        key = frozenset(c.module for c in cuts)
+        if key not in self._starved:
+            plan = ErasePlan(cuts=tuple(Cut(module=m) for m in sorted(key)))
+            self._starved[key] = frozenset(self.found.untrained(plan))
+        return self._starved[key]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -54,6 +83,12 @@ class BoundSpace:
     can_detach: Guard | None = None
     """Whether a candidate may be detached given the cuts chosen so far (no parameter
     starved); None: always (a space bound without its model, in tests)."""
+    modes: Mapping[str, tuple[str, ...]] = dataclasses.field(init=False, repr=False)
+    """Each candidate's choices among the modes (its own, else the space's), resolved at binding."""
+
+    def __post_init__(self) -> None:
+        own, modes = self.space.candidate_modes, self.space.modes
+        object.__setattr__(self, "modes", {c: own.get(c, modes) for c in self.candidates})
 
     @classmethod
     def unchecked(cls, space: SearchSpace, candidates: Sequence[str], can_detach: Guard | None = None) -> BoundSpace:
@@ -192,7 +227,7 @@ class BoundSpace:
 
     def _modes(self, candidate: str, cuts_before: Sequence[Cut]) -> tuple[str, tuple[str, ...]]:
         """The parameter name and choices of ``candidate``'s mode, given the cuts before it."""
-        modes = self.space.modes_of(candidate)
+        modes = self.modes[candidate]
         detach_ok = self.can_detach is None or self.can_detach(cuts_before, candidate)
         if detach_ok or "detach" not in modes:
             return f"{candidate}.mode", modes

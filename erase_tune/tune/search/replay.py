@@ -41,7 +41,7 @@ def space_plans(bound: BoundSpace) -> list[ErasePlan]:
         raise EraseTuneError(f"{space.source}: not a finite space (needs streams: round_robin, a fixed aux_weight, "
                              "one dispatch, one graph and one whole_step_graph choice)")
     out: dict[str, ErasePlan] = {}
-    for modes in itertools.product(*(space.modes_of(c) for c in candidates)):
+    for modes in itertools.product(*(bound.modes[c] for c in candidates)):
         params: dict[str, Any] = {"whole_step_graph": space.whole_step_graph[0], "dispatch": space.dispatch[0]}
         for c, m in zip(candidates, modes):
             params[f"{c}.mode"] = params[f"{c}.mode_upstream"] = m
