@@ -101,4 +101,3 @@ def _never_detached(found: ProbeResult, can_detach: Guard, greedy: Sequence[Cut]
         return None
     plan = ErasePlan(cuts=(*greedy, Cut(module=candidate)))
     return f"{found.starved_message(plan, found.untrained(plan))}, even with every candidate before it detached too"
-

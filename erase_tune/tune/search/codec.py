@@ -55,7 +55,7 @@ class DetachGuard:
 
     def excluding(self, never: Iterable[str]) -> DetachGuard:
         """The same guard (and what it has learnt) that also refuses ``never``."""
-        guard = DetachGuard(self.found, never)
+        guard = DetachGuard(self.found, self.never | frozenset(never))
         guard._starved = self._starved
         return guard
 

@@ -5,8 +5,8 @@ Comparing samplers needs many studies (samplers × seeds × dozens of trials); r
 trial on an H200 would cost hours. Instead every plan of a finite search space is measured
 once on the GPU (``scripts/measure_replay_table.py``) and the studies run on a CPU, each
 proposal answered with its plan's measured (QPS gain, NE gap). The studies are real (the
-space's own conditional codec (``BoundSpace.plan``), the NE budget as Optuna's constraint, repeats of
-a measured plan answered without counting, as the driver does); only the measurement is
+bound space's own conditional codec, the NE budget as Optuna's constraint, repeats of a
+measured plan answered without counting, as the driver does); only the measurement is
 replayed, and every result says so (``ReplayTable.provenance``).
 """
 
