@@ -58,7 +58,7 @@ def pick_plans(space: SearchSpace, n: int) -> list[ErasePlan]:
         if len(plans) >= n:
             break
         trial = study.ask()
-        plan = space.plan_from_trial(trial, checked.candidates, checked.can_detach)
+        plan = checked.plan(trial)
         plans.setdefault(plan.dumps(), plan)
         study.tell(trial, [0.0, 0.0])
     return list(plans.values())[:n]

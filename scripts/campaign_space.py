@@ -19,7 +19,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from erase_tune.runtime import ErasePlan  # noqa: E402
 from erase_tune.tune.search.checks import check_space  # noqa: E402
-from erase_tune.tune.search.space import SearchSpace, plan_params  # noqa: E402
+from erase_tune.tune.search.space import SearchSpace  # noqa: E402
 
 
 def main() -> int:
@@ -49,7 +49,7 @@ def main() -> int:
     space = SearchSpace.load(a.dst)
     checked = check_space(space)
     for _, plan in space.seeds:  # as start enqueues them: a seed outside the space fails here
-        plan_params(space, plan, checked.candidates, checked.can_detach)
+        checked.params(plan)
     print(f"{a.dst}: batch {a.batch}, budget {a.max_ne_gap:.1%}, {a.trials} trials, "
           f"seeds {', '.join(n for n, _ in space.seeds)}")
     return 0

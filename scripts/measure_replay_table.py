@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     if overrides:
         space = dataclasses.replace(space, workload_args={**space.workload_args, **overrides})
     checked = check_space(space)
-    plans = space_plans(space, checked.candidates, checked.can_detach)
+    plans = space_plans(checked)
     sets = sorted({detached(p) for p in plans}, key=lambda s: (len(s), s))
     index, count = (int(x) for x in ns.shard.split("/"))
     device = resolve_device(ns.device)

@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     best = max((g for g, gap in table.points.values() if gap <= space.max_ne_gap), default=0.0)
     print(f"REPLAY of {len(table.points)} plans measured on {table.provenance.get('device_name')} "
           f"({table.provenance.get('date_utc')}); best gain within NE gap {space.max_ne_gap:.2%}: {best:+.2%}")
-    runs = {name: [replay_study(space, checked.candidates, table, sampler=name, seed=seed, trials=ns.trials,
-                                can_detach=checked.can_detach) for seed in range(ns.first_seed, ns.first_seed + ns.seeds)]
+    runs = {name: [replay_study(checked, table, sampler=name, seed=seed, trials=ns.trials)
+                   for seed in range(ns.first_seed, ns.first_seed + ns.seeds)]
             for name in ns.samplers.split(",")}
     marks = [k for k in (5, 10, 20, 30, 40, 60) if k <= ns.trials]
     print(f"{'sampler':<8} " + " ".join(f"{'HV@' + str(k):>9}" for k in marks) + "   (mean over seeds)")

@@ -8,6 +8,7 @@ import pytest
 
 from erase_tune.errors import EraseTuneError
 from erase_tune.tune.search.checks import check_space
+from erase_tune.tune.search.codec import BoundSpace
 from erase_tune.tune.search.replay import ReplayTable, replay_study, space_plans
 from erase_tune.tune.search.space import SearchSpace
 from tests.tune.faulty import TINY_CTR
@@ -41,12 +42,11 @@ def _table(tmp_path, plans) -> ReplayTable:
 def test_every_plan_of_a_finite_space_and_a_replayed_study(tmp_path):
     space = SearchSpace.loads(SPACE, source="replay.yaml")
     checked = check_space(space)
-    plans = space_plans(space, checked.candidates, checked.can_detach)
+    plans = space_plans(checked)
     assert len(plans) == 27 and len({p.dumps() for p in plans}) == 27  # keep/place/detach on 3 candidates
     table = _table(tmp_path, plans)
     for sampler in ("random", "tpe"):
-        run = replay_study(space, checked.candidates, table, sampler=sampler, seed=0, trials=20,
-                           can_detach=checked.can_detach)
+        run = replay_study(checked, table, sampler=sampler, seed=0, trials=20)
         assert len(run.points) == 20 and run.proposals >= 20  # repeats are asked but not counted
         assert list(run.hypervolume) == sorted(run.hypervolume) and run.hypervolume[-1] > 0
         assert run.points[0] == (0.0, 0.0)  # the enqueued no-cuts seed comes first
@@ -55,9 +55,9 @@ def test_every_plan_of_a_finite_space_and_a_replayed_study(tmp_path):
 def test_a_table_that_does_not_cover_the_space_is_refused(tmp_path):
     space = SearchSpace.loads(SPACE, source="replay.yaml")
     checked = check_space(space)
-    table = _table(tmp_path, space_plans(space, checked.candidates, checked.can_detach)[:3])
+    table = _table(tmp_path, space_plans(checked)[:3])
     with pytest.raises(EraseTuneError, match="does not cover this search space"):
-        replay_study(space, checked.candidates, table, sampler="random", seed=0, trials=20)
+        replay_study(BoundSpace.unchecked(space, checked.candidates), table, sampler="random", seed=0, trials=20)
     infinite = SearchSpace.loads(SPACE.replace("streams: round_robin", "streams: searched"), source="x.yaml")
     with pytest.raises(EraseTuneError, match="not a finite space"):
-        space_plans(infinite, checked.candidates)
+        space_plans(BoundSpace.unchecked(infinite, checked.candidates))

@@ -198,7 +198,7 @@ def test_a_finite_space_enumerates_each_candidates_own_modes() -> None:
               .replace("graph: [false, true]", "graph: [false]")
               .replace("whole_step_graph: [false, true]", "whole_step_graph: [false]")
               .replace("aux_weight: {low: 0.1, high: 2.0, log: true}", "aux_weight: 1.0"))  # fmt: skip
-    plans = space_plans(s, CANDIDATES, check_space(s).can_detach)
+    plans = space_plans(check_space(s))
     # bot_l: keep, place, detach or graph; then top_l placed or graphed, or kept with top_l.0:4 kept or graphed.
     assert len(plans) == 4 * 4 == len({p.dumps() for p in plans})
     assert sum(not p.graphs for p in plans) == 3 * 2  # bot_l kept, placed or detached; top_l kept or placed

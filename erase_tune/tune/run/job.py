@@ -40,13 +40,14 @@ from erase_tune.errors import EraseTuneError, shown
 from erase_tune.store import default_storage_url
 from erase_tune.store.engine import parse_url
 from erase_tune.store.storage import open_storage
-from erase_tune.tune.search.checks import CheckedSpace, check_space
+from erase_tune.tune.search.checks import check_space
+from erase_tune.tune.search.codec import BoundSpace
 from erase_tune.tune.execute.executor import RayExecutor, import_dirs, runtime_env
 from erase_tune.tune.run.confirm import confirm_front, confirm_quality_front, with_quality
 from erase_tune.tune.run.journal import Journal
 from erase_tune.tune.run.loop import HEARTBEAT_S, Loop, Progress
 from erase_tune.tune.run.record import Recorder
-from erase_tune.tune.search.space import SearchSpace, plan_key
+from erase_tune.tune.search.space import SearchSpace
 from erase_tune.tune.search.space_file import MAX_TRIALS
 from erase_tune.tune.search.study import Attr, FrontPoint, make_sampler, noise_band, open_study, pareto_front
 from erase_tune.tune.execute.task import ConfirmSpec, ReferenceSpec
@@ -281,10 +282,11 @@ def _graph_reference(db: Any, space: SearchSpace, name: str, executor: RayExecut
                                budget=dataclasses.replace(space.budget, reference=False)), error
 
 
-def _set_up(db: Any, space: SearchSpace, name: str, space_path: str, target: int, checked: CheckedSpace,
+def _set_up(db: Any, space: SearchSpace, name: str, space_path: str, target: int, checked: BoundSpace,
             executor: RayExecutor, on_progress: Callable[[Progress], None], reference_error: str | None = None,
             band: float = 0.0) -> Loop:
     workload_attr = {"name": space.workload, "args": dict(space.workload_args)}
+    checked = checked.rebind(space)  # the space as narrowed by the graph reference
     with db.lock(f"study:{name}"):
         study = open_study(db.optuna, name)
         _check_resumable(study, space, name)
@@ -301,7 +303,7 @@ def _set_up(db: Any, space: SearchSpace, name: str, space_path: str, target: int
         job = db.store.set_job_status(name, "running", n_trials_target=target)
         seed = None if space.sampler_seed is None else space.sampler_seed + 1_000_003 * drivers
         study.sampler = make_sampler(space.sampler, seed, max_ne_gap=space.max_ne_gap + band,
-                                     plan_key=plan_key(space, checked.candidates, checked.can_detach))
+                                     plan_key=checked.key)
         recorder = Recorder(study=study, storage=db, job=job, space=space)
         recorder.band = band
         journal = Journal(db.url, name)

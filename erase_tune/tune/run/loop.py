@@ -33,7 +33,7 @@ from optuna.trial import TrialState
 from erase_tune.runtime import ErasePlan
 from erase_tune.store.storage import Storage, StorageLost, retrying
 from erase_tune.trial import BASELINE
-from erase_tune.tune.search.checks import CheckedSpace
+from erase_tune.tune.search.codec import BoundSpace
 from erase_tune.tune.execute.executor import RayExecutor, TrialHandle
 from erase_tune.tune.run.journal import Entry, Journal
 from erase_tune.tune.execute.outcome import TrialOutcome
@@ -91,7 +91,7 @@ class Loop:
     """One driver's loop over one job (see the module docstring)."""
 
     def __init__(self, *, space: SearchSpace, study: optuna.Study, storage: Storage, executor: RayExecutor,
-                 recorder: Recorder, journal: Journal, checked: CheckedSpace, target: int, max_failures: int,
+                 recorder: Recorder, journal: Journal, checked: BoundSpace, target: int, max_failures: int,
                  on_progress: Callable[[Progress], None], reference_error: str | None = None) -> None:
         self.space, self.study, self.storage, self.executor = space, study, storage, executor
         self.recorder, self.journal, self.checked = recorder, journal, checked
@@ -173,7 +173,7 @@ class Loop:
         Every write here is idempotent, so a retry after a lost connection repeats it safely."""
         self.db("starting the trial's heartbeat",
                 lambda: self.storage.optuna.record_heartbeat(self.recorder.trial_id(trial.number)))
-        plan = self.space.plan_from_trial(trial, self.checked.candidates, self.checked.can_detach)
+        plan = self.checked.plan(trial)
         key = plan.dumps()
         trials = self.db("reading the study", lambda: self.study.get_trials(deepcopy=False))
         earlier = next((t for t in trials if t.user_attrs.get(Attr.PLAN_KEY) == key

@@ -14,14 +14,14 @@ space that lists none) are taken as they come: one that can never be detached is
 its other modes. For the others the probe gives the search a guard: detaching a candidate is
 offered only when the cuts chosen before it cover its upstream (on a chain: the first
 segment first), so no trial is ever spent on a plan that starves a parameter. Seeds are
-checked as whole plans.
+checked as whole plans. What it returns is the space bound to its model
+(:class:`~erase_tune.tune.search.codec.BoundSpace`): the codec every later step uses.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
 import optuna
 import torch
@@ -30,25 +30,15 @@ from erase_tune.errors import EraseTuneError, PlanError, shown
 from erase_tune.runtime import Cut, ErasePlan
 from erase_tune.runtime.plan import targets_overlap
 from erase_tune.runtime.probe import ProbeResult, probe
-from erase_tune.tune.search.space import Guard, SearchSpace, plan_params
+from erase_tune.tune.search.codec import BoundSpace, DetachGuard, Guard
+from erase_tune.tune.search.space import SearchSpace
 from erase_tune.workloads import get_workload
 
-__all__ = ["CheckedSpace", "check_space"]
+__all__ = ["check_space"]
 
 
-@dataclasses.dataclass(frozen=True)
-class CheckedSpace:
-    """What a driver needs from a checked space."""
-
-    candidates: list[str]
-    seeds: list[tuple[str, dict[str, Any]]]
-    """(name, trial parameters) of each seed plan."""
-    can_detach: Guard
-    """Whether a candidate may be detached given the cuts chosen so far (no parameter starved)."""
-
-
-def check_space(space: SearchSpace) -> CheckedSpace:
-    """Check ``space`` against its model (see the module docstring), or raise one line."""
+def check_space(space: SearchSpace) -> BoundSpace:
+    """Check ``space`` against its model (see the module docstring) and bind it, or raise one line."""
     try:
         workload = get_workload(space.workload, space.workload_args)
     except EraseTuneError as e:
@@ -62,11 +52,12 @@ def check_space(space: SearchSpace) -> CheckedSpace:
             raise EraseTuneError(f"{space.source}: cuts.candidates: {str(e).split(': ', 1)[-1]}") from None
     inputs, _ = workload.example(torch.device("cpu"))
     found = probe(model, tuple(inputs), candidates, output=workload.output, model_loss=workload.model_loss)
-    base_guard = _guard(found)
+    bound = BoundSpace(space, candidates)  # each candidate's modes, resolved once
+    base_guard = DetachGuard(found)
     never: set[str] = set()  # candidates no plan may detach: offered their other modes only
     greedy: list[Cut] = []  # every earlier candidate that can be detached, detached
     for c in candidates:
-        modes = space.modes_of(c)
+        modes = bound.modes[c]
         try:
             found.check_placement(c)
             if "graph" in modes:
@@ -84,19 +75,19 @@ def check_space(space: SearchSpace) -> CheckedSpace:
                 never.add(c)  # one of the workload's own candidates, offered its other modes
         except PlanError as e:
             raise EraseTuneError(f"{space.source}: cuts.candidates: {e}") from None
-    can_detach: Guard = lambda cuts, c: c not in never and base_guard(cuts, c)  # noqa: E731
+    bound = dataclasses.replace(bound, can_detach=base_guard.excluding(never))
     seeds = []
     for i, (seed_name, plan) in enumerate(space.seeds):
         try:
             plan.check_model(model)
             found.check_plan(plan)
-            params = plan_params(space, plan, candidates, can_detach)
-            if space.plan_from_trial(optuna.trial.FixedTrial(params), candidates, can_detach) != plan:
+            params = bound.params(plan)
+            if bound.plan(optuna.trial.FixedTrial(params)) != plan:
                 raise EraseTuneError("is not a plan this space can propose (its streams, λ or flags differ)")
             seeds.append((seed_name, params))
         except EraseTuneError as e:
             raise EraseTuneError(f"{space.source}: seeds[{i}] ({shown(seed_name)}): {e}") from None
-    return CheckedSpace(candidates=candidates, seeds=seeds, can_detach=can_detach)
+    return dataclasses.replace(bound, seeds=seeds)
 
 
 def _never_detached(found: ProbeResult, can_detach: Guard, greedy: Sequence[Cut], candidate: str) -> str | None:
@@ -110,16 +101,3 @@ def _never_detached(found: ProbeResult, can_detach: Guard, greedy: Sequence[Cut]
         return None
     plan = ErasePlan(cuts=(*greedy, Cut(module=candidate)))
     return f"{found.starved_message(plan, found.untrained(plan))}, even with every candidate before it detached too"
-
-
-def _guard(found: ProbeResult) -> Guard:
-    """Detaching a candidate is allowed when it starves no parameter the cuts before it did not."""
-    cache: dict[frozenset[str], frozenset[str]] = {}
-
-    def starved(cuts: Sequence[Cut]) -> frozenset[str]:
-        key = frozenset(c.module for c in cuts)
-        if key not in cache:
-            cache[key] = frozenset(found.untrained(ErasePlan(cuts=tuple(Cut(module=m) for m in sorted(key)))))
-        return cache[key]
-
-    return lambda cuts, candidate: starved([*cuts, Cut(module=candidate)]) <= starved(cuts)

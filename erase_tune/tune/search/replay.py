@@ -5,8 +5,8 @@ Comparing samplers needs many studies (samplers × seeds × dozens of trials); r
 trial on an H200 would cost hours. Instead every plan of a finite search space is measured
 once on the GPU (``scripts/measure_replay_table.py``) and the studies run on a CPU, each
 proposal answered with its plan's measured (QPS gain, NE gap). The studies are real (the
-space's own conditional ``plan_from_trial``, the NE budget as Optuna's constraint, repeats of
-a measured plan answered without counting, as the driver does); only the measurement is
+bound space's own conditional codec, the NE budget as Optuna's constraint, repeats of a
+measured plan answered without counting, as the driver does); only the measurement is
 replayed, and every result says so (``ReplayTable.provenance``).
 """
 
@@ -17,7 +17,7 @@ import itertools
 import json
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,26 +26,27 @@ import optuna
 from erase_tune.errors import EraseTuneError
 from erase_tune.runtime import ErasePlan
 from erase_tune.tune.search.hypervolume import hypervolume_history
-from erase_tune.tune.search.space import Guard, SearchSpace, plan_key
+from erase_tune.tune.search.codec import BoundSpace
 from erase_tune.tune.search.study import DIRECTIONS, make_sampler
 
 __all__ = ["ReplayTable", "replay_study", "ReplayRun", "space_plans"]
 
 
-def space_plans(space: SearchSpace, candidates: Sequence[str], can_detach: Guard | None = None) -> list[ErasePlan]:
+def space_plans(bound: BoundSpace) -> list[ErasePlan]:
     """Every distinct canonical plan of a finite space (one choice of stream per candidate:
     ``streams: round_robin``; a fixed λ; one dispatch and one whole-step-graph choice)."""
+    space, candidates = bound.space, bound.candidates
     if space.streams != "round_robin" or space.aux_weight[0] != space.aux_weight[1] or len(space.dispatch) > 1 \
             or len(space.whole_step_graph) > 1 or len(space.graph) > 1:
         raise EraseTuneError(f"{space.source}: not a finite space (needs streams: round_robin, a fixed aux_weight, "
                              "one dispatch, one graph and one whole_step_graph choice)")
     out: dict[str, ErasePlan] = {}
-    for modes in itertools.product(*(space.modes_of(c) for c in candidates)):
+    for modes in itertools.product(*(bound.modes[c] for c in candidates)):
         params: dict[str, Any] = {"whole_step_graph": space.whole_step_graph[0], "dispatch": space.dispatch[0]}
         for c, m in zip(candidates, modes):
             params[f"{c}.mode"] = params[f"{c}.mode_upstream"] = m
         try:
-            plan = space.plan_from_trial(optuna.trial.FixedTrial(params), candidates, can_detach)
+            plan = bound.plan(optuna.trial.FixedTrial(params))
         except ValueError:  # a choice the space does not offer there (detach guarded upstream)
             continue
         out.setdefault(plan.canonical().dumps(), plan.canonical())
@@ -89,17 +90,16 @@ class ReplayRun:
     """Trials asked in all, repeats included."""
 
 
-def replay_study(space: SearchSpace, candidates: Sequence[str], table: ReplayTable, *, sampler: str, seed: int,
-                 trials: int, can_detach: Guard | None = None, max_proposals: int | None = None) -> ReplayRun:
+def replay_study(bound: BoundSpace, table: ReplayTable, *, sampler: str, seed: int, trials: int,
+                 max_proposals: int | None = None) -> ReplayRun:
     """Run one study of ``trials`` measured plans against ``table`` (see the module docstring).
     The space's seed plans are enqueued first, as ``erase-tune start`` does."""
     optuna.logging.set_verbosity(logging.WARNING)
-    chosen = make_sampler(sampler, seed, max_ne_gap=space.max_ne_gap, plan_key=plan_key(space, candidates, can_detach))
+    space = bound.space
+    chosen = make_sampler(sampler, seed, max_ne_gap=space.max_ne_gap, plan_key=bound.key)
     study = optuna.create_study(directions=list(DIRECTIONS), sampler=chosen)
     for _name, plan in space.seeds:
-        from erase_tune.tune.search.space import plan_params
-
-        study.enqueue_trial(plan_params(space, plan, candidates, can_detach))
+        study.enqueue_trial(bound.params(plan))
     seen: dict[str, tuple[float, float]] = {}
     points: list[tuple[float, float]] = []
     proposals = 0
@@ -107,7 +107,7 @@ def replay_study(space: SearchSpace, candidates: Sequence[str], table: ReplayTab
     while len(points) < trials and proposals < limit:
         trial = study.ask()
         proposals += 1
-        plan = space.plan_from_trial(trial, candidates, can_detach)
+        plan = bound.plan(trial)
         key = plan.canonical().dumps()
         gain, gap = seen.get(key) or table.lookup(plan)
         if not (math.isfinite(gain) and math.isfinite(gap)):

@@ -17,7 +17,7 @@ is. :class:`FrontSampler` searches the neighbourhood directly, and learns from i
   parameters can make the same plan (streams are renumbered in a plan's canonical form, a
   parameter may not matter under another's choice): given ``plan_key`` ((parameters, rng) ->
   (the canonical plan, the parameters that make it, those a change makes appear drawn with
-  ``rng``); erase_tune.tune.search.space.plan_key), plans are told apart by it, and a repeat of a plan
+  ``rng``); erase_tune.tune.search.codec.BoundSpace.key), plans are told apart by it, and a repeat of a plan
   is neither a candidate nor a measurement of a move.
 - **Exploit**: a candidate whose move has a known effect is predicted as its parent's values
   plus that effect; if any prediction adds hypervolume to the feasible front (reference

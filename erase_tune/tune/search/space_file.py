@@ -1,5 +1,9 @@
 """Reading a search-space file: the schema, checked field by field, with bounds.
 
+:func:`read` (a path) and :func:`loads` (its text) return a :class:`SpaceFile`: typed, frozen,
+nested as the file is (workload, cuts with their candidates and modes, sampler, budget, seed
+plans, ...). :class:`~erase_tune.tune.search.space.SearchSpace` is built from it.
+
 Every field is checked for type and range before anything uses it, and every message is
 one line naming the field (the caller prefixes the file); values are shown with
 :func:`~erase_tune.errors.shown`, so a megabyte-long string cannot flood it. Sizes that
@@ -11,21 +15,23 @@ the wrong type (``seeds: 0``, ``budget: false``) is an error, not an empty defau
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from erase_tune._files import aux_weight_problem
+from erase_tune._files import aux_weight_problem, load_yaml, read_text
 from erase_tune.confirm import GAIN_OVER
-from erase_tune.errors import EraseTuneError, PlanError, shown
+from erase_tune.errors import EraseTuneError, PlanError, one_line, shown
 from erase_tune.runtime import DISPATCH_MODES, Cut, ErasePlan
 from erase_tune.runtime.plan import MAX_STREAMS, MAX_TARGETS
 from erase_tune.trial import MAX_STEPS, Budget
 from erase_tune.tune.search.study import METRIC_NAMES, SAMPLERS
 from erase_tune.workloads.limits import MAX_SEED
 
-__all__ = ["parse", "MAX_TRIALS", "MAX_SEED", "MODES", "STREAMS"]
+__all__ = ["read", "loads", "parse", "SpaceFile", "WorkloadSpec", "CutsSpec", "Candidate", "AuxWeight", "SamplerSpec",
+           "BudgetSpec", "SeedPlan", "SpaceError", "MAX_TRIALS", "MAX_SEED", "MODES", "STREAMS"]
 
 MAX_TRIALS = 100_000
 """numpy's seed range: a larger sampler seed would fail only after the study was written."""
@@ -36,62 +42,150 @@ MAX_GPUS_PER_TRIAL = 64
 _CUTS = {"candidates", "modes", "max_streams", "streams", "dispatch", "graph", "whole_step_graph",
          "find_unused_parameters", "aux_weight"}
 MODES = ("keep", "place", "detach", "graph")
-"""What a plan may do with a candidate (see :data:`erase_tune.tune.search.space.MODES`)."""
+"""What a plan may do with a candidate: leave it, run it on a side stream (gradients
+unchanged), detach it with a local loss on a stream (ERASE), or capture its forward and
+backward as a CUDA graph replayed inside the eager step (gradients unchanged; on the main
+stream or a side stream)."""
 STREAMS = ("searched", "round_robin")
 """``searched``: each placed or detached candidate's stream is a search parameter.
 ``round_robin``: candidate i always runs on side stream 1 + i % max_streams (fewer plans)."""
 
 
+class SpaceError(EraseTuneError, ValueError):
+    """A search-space file that is malformed (or a plan outside its space)."""
+
+
 class _Error(EraseTuneError, ValueError):
-    pass
+    """One field's problem, before the file's name prefixes it."""
 
 
-def parse(data: Any, base: Path) -> dict[str, Any]:
-    """The keyword arguments of a :class:`~erase_tune.tune.search.space.SearchSpace` (but source and text)."""
+# -- the file, typed ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WorkloadSpec:
+    """``workload:``: what the trials train, and the code shipped to the Ray workers."""
+
+    name: str
+    """Built-in workload name or ``package.module:factory``."""
+    args: Mapping[str, Any]
+    working_dir: str | None = None
+    """Resolved against the file's directory."""
+    py_modules: tuple[str, ...] = ()
+    """Package directories, resolved against the file's directory."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One entry of ``cuts.candidates``: a target (``top_l``, ``blocks.0:2``), and its own modes
+    where the entry gives them (``{module: top_l, modes: [keep, graph]}``)."""
+
+    module: str
+    modes: tuple[str, ...] | None = None
+    """Its own choices among :data:`MODES`; None: the cuts' :attr:`CutsSpec.modes`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AuxWeight:
+    """``cuts.aux_weight``: the range of each detached cut's λ."""
+
+    low: float
+    high: float
+    log: bool = False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CutsSpec:
+    """``cuts:``: which candidates, which modes, and the choices of the plan's flags."""
+
+    candidates: tuple[Candidate, ...]
+    """Empty: the workload's own candidates."""
+    modes: tuple[str, ...]
+    max_streams: int
+    streams: str
+    """One of :data:`STREAMS`."""
+    dispatch: tuple[str, ...]
+    graph: tuple[bool, ...]
+    whole_step_graph: tuple[bool, ...]
+    find_unused_parameters: tuple[bool, ...]
+    aux_weight: AuxWeight
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerSpec:
+    """``sampler:``: a name among the study's samplers, and its seed (None: drawn)."""
+
+    name: str
+    seed: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetSpec:
+    """``budget:``: what one trial may spend."""
+
+    per_trial: Budget
+    """Steps and windows (its seed is the file's ``seed``)."""
+    timeout_s: float
+    """A trial running longer is cancelled and recorded as failed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SeedPlan:
+    """One entry of ``seeds:``: a plan enqueued before the sampler proposes anything."""
+
+    name: str
+    plan: ErasePlan
+    """Canonical."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SpaceFile:
+    """A search-space file, every field checked (see the module docstring)."""
+
+    workload: WorkloadSpec
+    cuts: CutsSpec
+    gain_over: str
+    max_ne_gap: float
+    device: str
+    gpus_per_trial: int
+    sampler: SamplerSpec
+    budget: BudgetSpec
+    seed: int
+    seeds: tuple[SeedPlan, ...]
+    trials: int
+    source: str = "<space>"
+    """Where it was read from, one line (it prefixes every message about the space)."""
+    text: str = ""
+    """The file's text, as given."""
+
+
+# -- reading -----------------------------------------------------------------------------------
+
+
+def read(path: str | Path) -> SpaceFile:
+    """The space file at ``path`` (relative paths in it resolved against its directory)."""
+    text = read_text(path, "search space", SpaceError)
+    return loads(text, source=str(path), base=Path(path).parent)
+
+
+def loads(text: str, source: str = "<space>", base: Path | None = None) -> SpaceFile:
+    """A space file's text; relative paths in it are resolved against ``base`` (else the
+    working directory). Every error is one :class:`SpaceError` line prefixed by ``source``."""
+    data = load_yaml(text, source, SpaceError)
+    source = one_line(source, 300)  # it prefixes every message about this space
+    try:
+        return dataclasses.replace(parse(data, base or Path.cwd()), source=source, text=text)
+    except EraseTuneError as e:
+        raise SpaceError(f"{source}: {e}") from None
+
+
+def parse(data: Any, base: Path) -> SpaceFile:
+    """The :class:`SpaceFile` of parsed YAML ``data`` (but its source and text), or one
+    line naming the field."""
     data = _mapping(data, "", "a search space")
     _known(data, _TOP, "")
-    wl = data.get("workload")
-    if isinstance(wl, str):
-        wl = {"name": wl}
-    wl = _mapping(wl, "workload", "{name, args}")
-    _known(wl, {"name", "args", "working_dir", "py_modules"}, "workload.")
-    if not isinstance(wl.get("name"), str) or not wl["name"].strip():
-        raise _Error("workload.name: required (ctr, gpt, mlp, dlrm or package.module:factory)")
-    args = _mapping(_or(wl.get("args"), {}), "workload.args", "a mapping of argument names to values")
-    working_dir = None if wl.get("working_dir") is None else _path(wl["working_dir"], "workload.working_dir", base)
-    py_modules = _or(wl.get("py_modules"), [])
-    if not isinstance(py_modules, list):
-        raise _Error("workload.py_modules: must be a list of package directories")
-    py_modules = [_path(p, f"workload.py_modules[{i}]", base) for i, p in enumerate(py_modules)]
-
-    cuts = _mapping(_or(data.get("cuts"), {}), "cuts", "a mapping")
-    _known(cuts, _CUTS, "cuts.")
-    max_streams = _int(cuts.get("max_streams", 4), "cuts.max_streams", 0, MAX_STREAMS)
-    modes = _modes(cuts.get("modes", ["keep", "place", "detach"] if max_streams else ["keep", "detach"]),
-                   "cuts.modes", max_streams)
-    candidates, candidate_modes = _candidates(_or(cuts.get("candidates"), []), max_streams)
-    streams = cuts.get("streams", "searched")
-    if streams not in STREAMS:
-        raise _Error(f"cuts.streams: {shown(streams)} is not one of {', '.join(STREAMS)}")
-    dispatch = _choices(cuts.get("dispatch", ["blocking", "threaded"]), "cuts.dispatch", DISPATCH_MODES)
-    graph = _bools(cuts.get("graph", [False]), "cuts.graph")
-    whole = _bools(cuts.get("whole_step_graph", [False]), "cuts.whole_step_graph")
-    fup = _bools(cuts.get("find_unused_parameters", [False]), "cuts.find_unused_parameters")
-    aux = cuts.get("aux_weight", {"low": 1.0, "high": 1.0})
-    if isinstance(aux, (int, float)) and not isinstance(aux, bool):
-        aux = {"low": aux, "high": aux}
-    aux = _mapping(aux, "cuts.aux_weight", "a number or {low, high, log}")
-    _known(aux, {"low", "high", "log"}, "cuts.aux_weight.")
-    low, high = _float(aux.get("low"), "cuts.aux_weight.low"), _float(aux.get("high"), "cuts.aux_weight.high")
-    log = aux.get("log", False)
-    if not isinstance(log, bool):
-        raise _Error("cuts.aux_weight.log: must be true or false")
-    if not 0 < low <= high <= 1e6:
-        raise _Error(f"cuts.aux_weight: need 0 < low <= high <= 1e6, got low={low}, high={high}")
-    for bound, value in (("low", low), ("high", high)):  # a λ every plan of the space can train with
-        if problem := aux_weight_problem(value):
-            raise _Error(f"cuts.aux_weight.{bound}: {shown(value)} {problem}")
-
+    workload = _workload(data.get("workload"), base)
+    cuts = _cuts(_or(data.get("cuts"), {}))
     objectives = data.get("objectives", list(METRIC_NAMES))
     if not isinstance(objectives, list) or objectives != list(METRIC_NAMES):
         raise _Error(f"objectives: must be {list(METRIC_NAMES)} (maximize qps_gain, minimize ne_gap)")
@@ -107,33 +201,97 @@ def parse(data: Any, base: Path) -> dict[str, Any]:
     max_ne_gap = _float(data.get("max_ne_gap", 0.02), "max_ne_gap")
     if not 0 <= max_ne_gap <= 100:
         raise _Error(f"max_ne_gap: {max_ne_gap} must be between 0 and 100")
+    sampler = _sampler(data.get("sampler", "front"))
+    budget, seed = _budget(_or(data.get("budget"), {}), data.get("seed", 0))
+    seeds = _seeds(_or(data.get("seeds"), []))
+    return SpaceFile(workload=workload, cuts=cuts, gain_over=gain_over, max_ne_gap=max_ne_gap, device=device,
+                     gpus_per_trial=gpus_per_trial, sampler=sampler, budget=budget, seed=seed, seeds=seeds,
+                     trials=_int(data.get("trials", 24), "trials", 1, MAX_TRIALS))
 
-    sampler = data.get("sampler", "front")
+
+def _workload(wl: Any, base: Path) -> WorkloadSpec:
+    if isinstance(wl, str):
+        wl = {"name": wl}
+    wl = _mapping(wl, "workload", "{name, args}")
+    _known(wl, {"name", "args", "working_dir", "py_modules"}, "workload.")
+    if not isinstance(wl.get("name"), str) or not wl["name"].strip():
+        raise _Error("workload.name: required (ctr, gpt, mlp, dlrm or package.module:factory)")
+    args = _mapping(_or(wl.get("args"), {}), "workload.args", "a mapping of argument names to values")
+    working_dir = None if wl.get("working_dir") is None else _path(wl["working_dir"], "workload.working_dir", base)
+    py_modules = _or(wl.get("py_modules"), [])
+    if not isinstance(py_modules, list):
+        raise _Error("workload.py_modules: must be a list of package directories")
+    py_modules = [_path(p, f"workload.py_modules[{i}]", base) for i, p in enumerate(py_modules)]
+    return WorkloadSpec(name=wl["name"], args=dict(args), working_dir=working_dir, py_modules=tuple(py_modules))
+
+
+def _cuts(cuts: Any) -> CutsSpec:
+    cuts = _mapping(cuts, "cuts", "a mapping")
+    _known(cuts, _CUTS, "cuts.")
+    max_streams = _int(cuts.get("max_streams", 4), "cuts.max_streams", 0, MAX_STREAMS)
+    modes = _modes(cuts.get("modes", ["keep", "place", "detach"] if max_streams else ["keep", "detach"]),
+                   "cuts.modes", max_streams)
+    candidates = _candidates(_or(cuts.get("candidates"), []), max_streams)
+    streams = cuts.get("streams", "searched")
+    if streams not in STREAMS:
+        raise _Error(f"cuts.streams: {shown(streams)} is not one of {', '.join(STREAMS)}")
+    return CutsSpec(
+        candidates=candidates, modes=modes, max_streams=max_streams, streams=streams,
+        dispatch=_choices(cuts.get("dispatch", ["blocking", "threaded"]), "cuts.dispatch", DISPATCH_MODES),
+        graph=_bools(cuts.get("graph", [False]), "cuts.graph"),
+        whole_step_graph=_bools(cuts.get("whole_step_graph", [False]), "cuts.whole_step_graph"),
+        find_unused_parameters=_bools(cuts.get("find_unused_parameters", [False]), "cuts.find_unused_parameters"),
+        aux_weight=_aux_weight(cuts.get("aux_weight", {"low": 1.0, "high": 1.0})),
+    )
+
+
+def _aux_weight(aux: Any) -> AuxWeight:
+    if isinstance(aux, (int, float)) and not isinstance(aux, bool):
+        aux = {"low": aux, "high": aux}
+    aux = _mapping(aux, "cuts.aux_weight", "a number or {low, high, log}")
+    _known(aux, {"low", "high", "log"}, "cuts.aux_weight.")
+    low, high = _float(aux.get("low"), "cuts.aux_weight.low"), _float(aux.get("high"), "cuts.aux_weight.high")
+    log = aux.get("log", False)
+    if not isinstance(log, bool):
+        raise _Error("cuts.aux_weight.log: must be true or false")
+    if not 0 < low <= high <= 1e6:
+        raise _Error(f"cuts.aux_weight: need 0 < low <= high <= 1e6, got low={low}, high={high}")
+    for bound, value in (("low", low), ("high", high)):  # a λ every plan of the space can train with
+        if problem := aux_weight_problem(value):
+            raise _Error(f"cuts.aux_weight.{bound}: {shown(value)} {problem}")
+    return AuxWeight(low, high, log)
+
+
+def _sampler(sampler: Any) -> SamplerSpec:
     if isinstance(sampler, str):
         sampler = {"name": sampler}
     sampler = _mapping(sampler, "sampler", "a name or {name, seed}")
     _known(sampler, {"name", "seed"}, "sampler.")
     if sampler.get("name") not in SAMPLERS:
         raise _Error(f"sampler.name: {shown(sampler.get('name'))} is not one of {', '.join(SAMPLERS)}")
-    sampler_seed = sampler.get("seed")
-    if sampler_seed is not None:
-        sampler_seed = _int(sampler_seed, "sampler.seed", 0, MAX_SEED)
+    seed = sampler.get("seed")
+    return SamplerSpec(sampler["name"], None if seed is None else _int(seed, "sampler.seed", 0, MAX_SEED))
 
-    b = _mapping(_or(data.get("budget"), {}), "budget", "a mapping")
+
+def _budget(b: Any, seed: Any) -> tuple[BudgetSpec, int]:
+    """The budget, and the file's ``seed`` (checked here, after the budget's fields: its seed)."""
+    b = _mapping(b, "budget", "a mapping")
     _known(b, {"warmup_steps", "windows", "window_steps", "quality_steps", "timeout_s", "noise_repeats",
                "quality_scale", "quality_seeds"}, "budget.")
-    seed = _int(data.get("seed", 0), "seed", 0, MAX_SEED)
+    seed = _int(seed, "seed", 0, MAX_SEED)
     steps = {k: _int(v, f"budget.{k}", 0, MAX_STEPS) for k, v in b.items() if k != "timeout_s"}
-    budget = Budget(**steps, seed=seed)
+    per_trial = Budget(**steps, seed=seed)
     timeout_s = _float(b.get("timeout_s", 600), "budget.timeout_s")
     if not 0 < timeout_s <= 7 * 86400:
         raise _Error("budget.timeout_s: must be > 0 and at most a week")
+    return BudgetSpec(per_trial, timeout_s), seed
 
-    raw_seeds = _or(data.get("seeds"), [])
-    if not isinstance(raw_seeds, list):
+
+def _seeds(raw: Any) -> tuple[SeedPlan, ...]:
+    if not isinstance(raw, list):
         raise _Error("seeds: must be a list of {name, plan}")
     seeds = []
-    for i, s in enumerate(raw_seeds):
+    for i, s in enumerate(raw):
         if not isinstance(s, Mapping) or "plan" not in s:
             raise _Error(f"seeds[{i}]: must be {{name, plan}}")
         _known(s, {"name", "plan"}, f"seeds[{i}].")
@@ -144,22 +302,12 @@ def parse(data: Any, base: Path) -> dict[str, Any]:
             plan = ErasePlan.from_dict(_or(s["plan"], {}))
         except PlanError as e:
             raise _Error(f"seeds[{i}].plan.{e}") from None
-        seeds.append((name, plan.canonical()))
-
-    return dict(
-        workload=wl["name"], workload_args=dict(args), candidates=candidates, modes=modes,
-        candidate_modes=candidate_modes,
-        max_streams=max_streams, streams=streams, dispatch=dispatch, graph=graph, whole_step_graph=whole, find_unused_parameters=fup,
-        aux_weight=(low, high, log), max_ne_gap=max_ne_gap, gain_over=gain_over, sampler=sampler["name"],
-        sampler_seed=sampler_seed, budget=budget, timeout_s=timeout_s,
-        trials=_int(data.get("trials", 24), "trials", 1, MAX_TRIALS), seed=seed, device=device, seeds=tuple(seeds),
-        gpus_per_trial=gpus_per_trial,
-        working_dir=working_dir, py_modules=tuple(py_modules),
-    )
+        seeds.append(SeedPlan(name, plan.canonical()))
+    return tuple(seeds)
 
 
-def _candidates(raw: Any, max_streams: int) -> tuple[tuple[str, ...], dict[str, tuple[str, ...]]]:
-    """The candidates' targets, and the modes of those whose entry gives its own.
+def _candidates(raw: Any, max_streams: int) -> tuple[Candidate, ...]:
+    """The candidates, each with its own modes where its entry gives them.
 
     An entry is a target (``top_l``, ``blocks.0:2``) or ``{module: top_l, modes: [...]}``."""
     if not isinstance(raw, list):
@@ -167,8 +315,7 @@ def _candidates(raw: Any, max_streams: int) -> tuple[tuple[str, ...], dict[str, 
                      "or {module, modes} entries")
     if len(raw) > MAX_TARGETS:
         raise _Error(f"cuts.candidates: {len(raw)} candidates; at most {MAX_TARGETS}")
-    names: list[str] = []
-    own: dict[str, tuple[str, ...]] = {}
+    out: list[Candidate] = []
     for i, entry in enumerate(raw):
         where = f"cuts.candidates[{i}]"
         if isinstance(entry, Mapping):
@@ -177,10 +324,9 @@ def _candidates(raw: Any, max_streams: int) -> tuple[tuple[str, ...], dict[str, 
             module = entry.get("module")
             if not isinstance(module, str) or not module:
                 raise _Error(f"{where}.module: {shown(module)} must be a module name (or a run like blocks.0:2)")
-            if entry.get("modes") is not None:
-                own[module] = _modes(entry["modes"], f"{where}.modes", max_streams)
+            modes = None if entry.get("modes") is None else _modes(entry["modes"], f"{where}.modes", max_streams)
         elif isinstance(entry, str) and entry:
-            module = entry
+            module, modes = entry, None
         else:
             raise _Error(f"{where}: {shown(entry)} must be a module name (or a run like blocks.0:2) "
                          "or {module, modes}")
@@ -188,10 +334,10 @@ def _candidates(raw: Any, max_streams: int) -> tuple[tuple[str, ...], dict[str, 
             Cut(module=module)
         except PlanError as e:
             raise _Error(f"cuts.candidates: {e}") from None
-        if module in names:
+        if any(c.module == module for c in out):
             raise _Error(f"cuts.candidates: lists {shown(module)} twice")
-        names.append(module)
-    return tuple(names), own
+        out.append(Candidate(module, modes))
+    return tuple(out)
 
 
 def _modes(value: Any, name: str, max_streams: int) -> tuple[str, ...]:

@@ -70,7 +70,7 @@ def make_sampler(name: str, seed: int | None, max_ne_gap: float | None = None,
     """A sampler by name; all but random honour the NE constraint. ``front`` is the default,
     chosen by replayed studies on H200 measurements (docs/benchmarks.md, "Tuner efficiency");
     it measures the hypervolume within ``max_ne_gap`` and tells plans apart by ``plan_key``
-    (erase_tune.tune.search.space.plan_key)."""
+    (erase_tune.tune.search.codec.BoundSpace.key)."""
     if name == "front":
         from erase_tune.tune.search.samplers import FrontSampler
 
