@@ -24,16 +24,18 @@ heartbeats overwrite), except:
 from __future__ import annotations
 
 from collections.abc import Callable, Container, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import optuna
 from optuna.distributions import BaseDistribution
 from optuna.storages._heartbeat import BaseHeartbeat  # Optuna's heartbeat contract has no public name
 from optuna.study import StudyDirection
-from optuna.study._frozen import FrozenStudy
 from optuna.trial import FrozenTrial, TrialState
 
 from erase_tune.store.retry import Retrier
+
+if TYPE_CHECKING:
+    from optuna.study._frozen import FrozenStudy  # a type Optuna names only privately
 
 __all__ = ["RetryingStorage"]
 
