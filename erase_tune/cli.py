@@ -180,16 +180,18 @@ def cmd_bench(ns: argparse.Namespace) -> int:
 
 
 def cmd_start(ns: argparse.Namespace) -> int:
-    from erase_tune.tune.run.job import DriverHooks, start_job
+    from erase_tune.tune.run.job import DriverHooks, JobSpec, Patience, Where, start_job
     from erase_tune.tune.views.tables import progress_line, start_summary
 
-    summary = start_job(ns.space, study_name=ns.study, trials=ns.trials, storage=ns.storage,
-                        ray_address=ns.ray_address, slots=ns.slots, working_dir=ns.working_dir,
-                        py_modules=ns.py_module, gpu_wait_s=ns.gpu_wait, grace_period_s=ns.grace_period,
-                        confirm_windows=0 if ns.no_confirm else ns.repeats, quality_scale=ns.quality_scale,
-                        quality_seeds=ns.quality_seeds,
-                        on_progress=lambda p: log.info(progress_line(p)),
-                        driver=DriverHooks(import_from=_import_from, ray_started=_sigterm_kept()))
+    summary = start_job(
+        ns.space,
+        what=JobSpec(study_name=ns.study, trials=ns.trials, confirm_windows=0 if ns.no_confirm else ns.repeats,
+                     quality_scale=ns.quality_scale, quality_seeds=ns.quality_seeds),
+        where=Where(storage=ns.storage, ray_address=ns.ray_address, slots=ns.slots, working_dir=ns.working_dir,
+                    py_modules=ns.py_module),
+        patience=Patience(gpu_wait_s=ns.gpu_wait, grace_period_s=ns.grace_period),
+        on_progress=lambda p: log.info(progress_line(p)),
+        driver=DriverHooks(import_from=_import_from, ray_started=_sigterm_kept()))
     flag = f" --storage {shlex.quote(summary.storage)}"
     if ns.json:
         _emit_json({**dataclasses.asdict(summary),

@@ -159,8 +159,8 @@ class SQLiteSettings(CreateEnginePlugin):
     IMMEDIATE``: they take the write lock up front and wait for it (busy timeout), so two
     processes on one file queue instead of failing with "database is locked" when a read
     transaction tries to upgrade to a write. Optuna's own are plain ``BEGIN`` (it opens a
-    second connection inside a transaction, which IMMEDIATE would deadlock); the driver
-    retries those on a lock (:func:`erase_tune.store.storage.retrying`).
+    second connection inside a transaction, which IMMEDIATE would deadlock); the storage
+    retries those on a lock (:mod:`erase_tune.store.retry`).
     """
 
     def update_url(self, url: URL) -> URL:

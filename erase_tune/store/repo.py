@@ -4,9 +4,12 @@ A ``Store`` is cheap to build and thread-safe: it parses the URL at once (so a t
 before any work starts) and either shares the engine it is given (the one behind Optuna's
 storage, see :func:`erase_tune.store.open_storage`) or creates its own, identically
 configured, on first use. Nothing connects at import time. All writes go through :meth:`Store._session`, the
-one place that commits or rolls back. Writes that a retry may repeat (a trial result, a
-baseline) are single-statement upserts, so two workers, or a worker and its retry, cannot
-create duplicates or race each other into an integrity error.
+one place that commits or rolls back. Every method that reads or writes a table is retried
+while the storage is away (:func:`erase_tune.store.retry.retried`, the store's ``retry``).
+Writes that a retry may repeat (a job, a trial result, a baseline) are single-statement
+upserts, so two workers, or a worker and its retry, cannot create duplicates or race each
+other into an integrity error; a plain insert (a confirmation, an export) is retried only
+when it failed before its commit (a failed commit is an :class:`UncertainCommit`).
 
 Before the first read or write, the store checks once that the database is at the
 revision this erase-tune needs, so a missing ``erase-tune db upgrade`` is reported as
@@ -24,7 +27,7 @@ from typing import Any
 from alembic.util import CommandError
 from sqlalchemy import Connection, Engine, select, update
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from erase_tune.errors import EraseTuneError, shown
@@ -41,6 +44,7 @@ from erase_tune.store.models import (
     JobRow,
 )
 from erase_tune.store.results import Results
+from erase_tune.store.retry import Retrier, UncertainCommit, retried
 from erase_tune.store.values import (
     Job,
     json_safe,
@@ -53,9 +57,11 @@ __all__ = ["Store"]
 class Store(Results):
     """erase-tune's tables in the database named by ``url`` (SQLite or PostgreSQL)."""
 
-    def __init__(self, url: str, *, engine: Engine | None = None) -> None:
+    def __init__(self, url: str, *, engine: Engine | None = None, retry: Retrier | None = None) -> None:
         self._url = parse_url(url)
         self._shown_url = redact_url(self._url)
+        self.retry = retry if retry is not None else Retrier(self._shown_url, self._url)
+        """The retry policy of every table read and write (shared with Optuna's storage when opened with it)."""
         self._lock = threading.Lock()
         self._engine_or_none: Engine | None = engine
         self._owns_engine = engine is None
@@ -105,15 +111,20 @@ class Store(Results):
 
     @contextlib.contextmanager
     def _session(self) -> Iterator[Session]:
-        """The one place that commits (on success) or rolls back (on any error)."""
+        """The one place that commits (on success) or rolls back (on any error). A commit that
+        fails raises :class:`UncertainCommit`: its write may be stored or not."""
         self._ensure_schema()
         with self._connect() as conn, Session(bind=conn, expire_on_commit=False) as session:
             try:
                 yield session
-                session.commit()
             except BaseException:
                 session.rollback()
                 raise
+            try:
+                session.commit()
+            except SQLAlchemyError as e:
+                session.rollback()
+                raise UncertainCommit(str(e)) from e
 
     def _ensure_schema(self) -> None:
         if not self._schema_checked:
@@ -189,7 +200,12 @@ class Store(Results):
         )
         # ON CONFLICT DO NOTHING, not try/except IntegrityError: two drivers starting the
         # same study at once must both get the one job, and neither a failed transaction.
+        # So with get_or_create a repeat finds the job it made; without, it would not.
         stmt = self._insert(JobRow).values(**values).on_conflict_do_nothing(index_elements=["study_name"])
+        return self.retry("recording the job", lambda: self._create_job(stmt, study_name, get_or_create),
+                          idempotent=get_or_create)
+
+    def _create_job(self, stmt: Any, study_name: str, get_or_create: bool) -> Job:
         with self._session() as s:
             row = s.scalars(stmt.returning(JobRow)).one_or_none()
             if row is None:
@@ -201,16 +217,19 @@ class Store(Results):
                 row = s.scalars(select(JobRow).where(JobRow.study_name == study_name)).one()
             return _job(row)
 
+    @retried("reading the job")
     def get_job(self, study_name: str) -> Job | None:
         with self._session() as s:
             row = s.scalars(select(JobRow).where(JobRow.study_name == study_name)).one_or_none()
             return None if row is None else _job(row)
 
+    @retried("listing the jobs")
     def list_jobs(self) -> list[Job]:
         """All jobs, oldest first."""
         with self._session() as s:
             return [_job(r) for r in s.scalars(select(JobRow).order_by(JobRow.created_at, JobRow.id))]
 
+    @retried("recording the job's status")
     def set_job_status(self, study_name: str, status: str, error: str | None = None, *,
                        n_trials_target: int | None = None) -> Job:
         """Move a job to ``status``. Leaving ``running`` stamps ``finished_at``; going back

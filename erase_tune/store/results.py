@@ -1,9 +1,11 @@
 """The measurement half of :class:`~erase_tune.store.Store`: trial outcomes, confirmations,
 the baseline cache and exports (the job half and the schema are in :mod:`erase_tune.store.repo`).
 
+Every method is retried while the storage is away (:func:`erase_tune.store.retry.retried`).
 Writes that a retry may repeat (an outcome replayed from the journal, a baseline measured
 again) are single-statement upserts, so they never duplicate a row or race into an
-integrity error.
+integrity error; the records kept as a history (confirmations, noise floors, exports) are
+plain inserts, retried only when they failed before their commit (``idempotent=False``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from erase_tune.store.models import (
     QualityConfirmationRow,
     TrialOutcomeRow,
 )
+from erase_tune.store.retry import Retrier, retried
 from erase_tune.store.values import (
     BaselineEntry,
     Confirmation,
@@ -47,7 +50,9 @@ def _samples(samples: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class Results:
-    """Mixed into :class:`~erase_tune.store.Store`, which provides the session and upsert."""
+    """Mixed into :class:`~erase_tune.store.Store`, which provides the session, upsert and retries."""
+
+    retry: Retrier
 
     def _session(self) -> AbstractContextManager[Session]:
         raise TypeError("Results is a part of Store")  # pragma: no cover - Store overrides it
@@ -57,6 +62,7 @@ class Results:
 
     # -- trial outcomes -------------------------------------------------------------------
 
+    @retried("recording a trial's outcome")
     def record_outcome(
         self,
         job: Job,
@@ -92,6 +98,7 @@ class Results:
         with self._session() as s:
             return _outcome(s.scalars(stmt, execution_options={"populate_existing": True}).one())
 
+    @retried("reading a trial's outcome")
     def outcome(self, job: Job, trial_number: int) -> StoredOutcome | None:
         """Trial ``trial_number``'s outcome, or None if it has none (still running, stale, a repeat)."""
         stmt = select(TrialOutcomeRow).where(TrialOutcomeRow.job_id == job.id,
@@ -100,6 +107,7 @@ class Results:
             row = s.scalars(stmt).one_or_none()
             return None if row is None else _outcome(row)
 
+    @retried("reading the job's outcomes")
     def latest_provenance(self, job: Job) -> dict[str, Any] | None:
         """Provenance of the job's most recent measured trial (device and versions), if any."""
         stmt = (select(TrialOutcomeRow.provenance)
@@ -111,6 +119,7 @@ class Results:
 
     # -- confirmations -------------------------------------------------------------------
 
+    @retried("recording a confirmation", idempotent=False)
     def record_confirmation(self, job: Job, trial_number: int, *, plan_yaml: str, gain_over: str, windows: int,
                             gain: float, gain_lo: float, gain_hi: float, samples: Mapping[str, Any],
                             provenance: Mapping[str, Any]) -> Confirmation:
@@ -124,6 +133,7 @@ class Results:
             s.flush()
             return _confirmation(row)
 
+    @retried("reading the confirmations")
     def confirmations(self, job: Job) -> list[Confirmation]:
         """The job's confirmations, oldest first."""
         stmt = (select(ConfirmationRow).where(ConfirmationRow.job_id == job.id)
@@ -133,6 +143,7 @@ class Results:
 
     # -- noise floor and quality ----------------------------------------------------------
 
+    @retried("recording the noise floor", idempotent=False)
     def record_noise_floor(self, job: Job, floor: Mapping[str, Any]) -> StoredNoiseFloor:
         """Keep a job's noise floor (``erase_tune.noise.NoiseFloor.to_dict()``)."""
         row = NoiseFloorRow(job_id=job.id, band=float(floor["band"]), ne_reference=float(floor["ne_reference"]),
@@ -145,6 +156,7 @@ class Results:
             s.flush()
             return _noise_floor(row)
 
+    @retried("reading the noise floor")
     def noise_floor(self, job: Job) -> StoredNoiseFloor | None:
         """The job's latest noise floor, if measured."""
         stmt = (select(NoiseFloorRow).where(NoiseFloorRow.job_id == job.id)
@@ -153,6 +165,7 @@ class Results:
             row = s.scalars(stmt).one_or_none()
             return None if row is None else _noise_floor(row)
 
+    @retried("recording a quality confirmation", idempotent=False)
     def record_quality(self, job: Job, trial_number: int, *, plan_yaml: str, steps: int, seeds: int, ne_gap: float,
                        ne_gap_lo: float, ne_gap_hi: float, per_seed: Sequence[float], exact: bool, band: float,
                        provenance: Mapping[str, Any]) -> QualityConfirmation:
@@ -167,6 +180,7 @@ class Results:
             s.flush()
             return _quality(row)
 
+    @retried("reading the quality confirmations")
     def quality_confirmations(self, job: Job) -> list[QualityConfirmation]:
         """The job's quality confirmations, oldest first."""
         stmt = (select(QualityConfirmationRow).where(QualityConfirmationRow.job_id == job.id)
@@ -176,12 +190,14 @@ class Results:
 
     # -- baseline cache ------------------------------------------------------------------
 
+    @retried("reading the baseline cache")
     def get_baseline(self, key: str) -> BaselineEntry | None:
         """The cached baseline for ``key`` (see :func:`~erase_tune.store.baseline_key`)."""
         with self._session() as s:
             row = s.scalars(select(BaselineRow).where(BaselineRow.key == key)).one_or_none()
             return None if row is None else _baseline(row)
 
+    @retried("writing the baseline cache")
     def put_baseline(
         self, key: str, metrics: Mapping[str, Any], samples: Mapping[str, Sequence[float]]
     ) -> BaselineEntry:
@@ -200,6 +216,7 @@ class Results:
 
     # -- exports -------------------------------------------------------------------------
 
+    @retried("recording an export", idempotent=False)
     def record_export(self, job: Job, trial_number: int, path: str | os.PathLike[str], plan_yaml: str) -> Export:
         """Remember that trial ``trial_number``'s plan was written to ``path``."""
         row = ExportRow(job_id=job.id, optuna_trial_number=trial_number, path=str(path),
@@ -209,6 +226,7 @@ class Results:
             s.flush()
             return _export(row)
 
+    @retried("reading the exports")
     def exports(self, job: Job) -> list[Export]:
         """The job's exports, oldest first."""
         stmt = select(ExportRow).where(ExportRow.job_id == job.id).order_by(ExportRow.created_at, ExportRow.id)

@@ -1,5 +1,5 @@
 """One opener for a storage URL: Optuna's ``RDBStorage`` and erase-tune's :class:`Store` on
-one engine, a lock that several drivers share, and the retry policy for a storage that goes away.
+one engine, behind one retry policy, and a lock that several drivers share.
 
 - :func:`open_storage` builds Optuna's storage with :func:`~erase_tune.store.engine.engine_kwargs`
   and hands the same engine to the :class:`Store`, so the two always behave alike (SQLite:
@@ -9,8 +9,11 @@ one engine, a lock that several drivers share, and the retry policy for a storag
 - :meth:`Storage.lock` is a cross-process lock: a PostgreSQL advisory lock (released by the
   server if its holder dies), or an exclusive ``flock`` on a file next to a SQLite database
   (one machine, as SQLite itself).
-- :func:`retrying` runs a storage operation, retrying a lost connection with backoff; when
-  the storage stays away it raises :class:`StorageLost` (the CLI's exit code 3).
+- Every call through :attr:`Storage.optuna` (a
+  :class:`~erase_tune.store.optuna_storage.RetryingStorage`) and :attr:`Storage.store` is
+  retried while the storage is away (:mod:`erase_tune.store.retry`); when it stays away the
+  call raises :class:`StorageLost` (the CLI's exit code 3). :meth:`Storage.once` turns that off
+  for best-effort writes after a loss.
 """
 
 from __future__ import annotations
@@ -25,53 +28,55 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
 
 import optuna
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.engine import URL
-from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+from sqlalchemy.exc import SQLAlchemyError
 
 from erase_tune import errors
 from erase_tune._env import env_seconds
 from erase_tune.errors import EraseTuneError
-from erase_tune.store.engine import WRITE_OPTION, engine_kwargs, one_line, parse_url, redact_url, shown_url
+from erase_tune.store.engine import WRITE_OPTION, engine_kwargs, parse_url, redact_url, shown_url
+from erase_tune.store.optuna_storage import RetryingStorage
 from erase_tune.store.repo import Store
+from erase_tune.store.retry import RETRY_ENV, Retrier, StorageLost, cause, retrying
 
 __all__ = ["Storage", "StorageLost", "open_storage", "retrying", "RETRY_ENV"]
 
-T = TypeVar("T")
-
 log = logging.getLogger(__name__)
-RETRY_ENV = "ERASE_TUNE_STORAGE_RETRY_S"
-"""Seconds a lost storage is retried before the driver gives up (default 60)."""
-
-
-class StorageLost(EraseTuneError):
-    """The storage stayed unreachable or unwritable through every retry."""
-
-    exit_code = 3
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Storage:
-    """Optuna's storage and erase-tune's tables behind one URL and one engine."""
+    """Optuna's storage and erase-tune's tables behind one URL, one engine and one retry policy."""
 
     url: str
     """The URL with its secrets masked: safe to print."""
-    optuna: optuna.storages.RDBStorage
+    optuna: RetryingStorage
+    """What studies are opened on: every call retried (``optuna.rdb`` is Optuna's storage itself)."""
     store: Store
+    """erase-tune's tables: every call retried."""
     parsed: URL
+
+    @property
+    def retry(self) -> Retrier:
+        return self.optuna.retry
 
     def lock(self, name: str) -> contextlib.AbstractContextManager[None]:
         """A lock shared by every process that opens this storage (see the module docstring);
-        taking it is retried like any storage call (:func:`retrying`)."""
-        return _lock(self.parsed, self.optuna.engine, name,
-                     acquire=lambda take: retrying(f"taking the lock {name!r}", take, url=self.url, parsed=self.parsed))
+        taking it is retried like any storage call."""
+        return _lock(self.parsed, self.optuna.rdb.engine, name,
+                     acquire=lambda take: self.retry(f"taking the lock {name!r}", take))
+
+    def once(self) -> contextlib.AbstractContextManager[None]:
+        """Storage calls in this block (this thread) are tried once, not retried: for
+        best-effort writes once the storage is known to be lost."""
+        return self.retry.once()
 
     def close(self) -> None:
         self.store.close()
-        self.optuna.engine.dispose()
+        self.optuna.rdb.engine.dispose()
 
 
 def open_storage(url: str, *, must_exist: bool = False, upgrade: bool = True,
@@ -99,17 +104,17 @@ def open_storage(url: str, *, must_exist: bool = False, upgrade: bool = True,
         except EraseTuneError:
             raise
         except Exception as e:  # noqa: BLE001 - any driver/connection error becomes one line
-            cause = errors.one_line(_cause(e, parsed), 300)
-            racing = "database is locked" in cause or "already exists" in cause  # its tables, made beside ours
+            why = errors.one_line(cause(e, parsed), 300)
+            racing = "database is locked" in why or "already exists" in why  # its tables, made beside ours
             if racing and time.monotonic() + delay < deadline:
                 if delay == 0.2:  # the first wait: say what for, how long, how to stop
-                    log.info(f"storage {shown}: another process is setting it up ({cause[:80]}); waiting up to "
+                    log.info(f"storage {shown}: another process is setting it up ({why[:80]}); waiting up to "
                              f"{deadline - time.monotonic():.0f}s (${RETRY_ENV}): Ctrl-C stops")
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
                 continue
-            raise EraseTuneError(f"storage {shown_url(parsed)}: cannot open: {cause}") from None
-    return Storage(url=shown, optuna=rdb, store=store, parsed=parsed)
+            raise EraseTuneError(f"storage {shown_url(parsed)}: cannot open: {why}") from None
+    return Storage(url=shown, optuna=RetryingStorage(rdb, store.retry), store=store, parsed=parsed)
 
 
 def _open_once(url: str, parsed: URL, kwargs: dict, upgrade: bool, heartbeat_interval: int | None,
@@ -129,7 +134,7 @@ def _open_once(url: str, parsed: URL, kwargs: dict, upgrade: bool, heartbeat_int
             # failing when a read turns into a write. (Not during RDBStorage's own set-up,
             # which opens a second connection inside a transaction.)
             rdb.engine.update_execution_options(**{WRITE_OPTION: True})
-            store = Store(url, engine=rdb.engine)
+            store = Store(url, engine=rdb.engine, retry=Retrier(redact_url(parsed), parsed))
             if upgrade:
                 store.upgrade()
         return rdb, store
@@ -147,41 +152,6 @@ def _is_file(path: Path) -> bool:
         return path.is_file()
     except (OSError, ValueError):  # a name too long for the file system, say: no such file either
         return False
-
-
-def retrying(what: str, fn: Callable[[], T], *, url: str, parsed: URL | None = None) -> T:
-    """``fn()``, retried with backoff while the storage is unreachable (lost connection,
-    locked, server restarting) for up to ``$ERASE_TUNE_STORAGE_RETRY_S`` seconds; then, or at
-    once for a read-only database, :class:`StorageLost` naming the storage and the cause."""
-    budget = env_seconds(RETRY_ENV, 60.0)
-    deadline = time.monotonic() + budget
-    delay = 0.2
-    while True:
-        try:
-            return fn()
-        except (SQLAlchemyError, optuna.exceptions.StorageInternalError) as e:
-            cause = _cause(e, parsed)
-            if "readonly" in cause.replace(" ", "").lower() or time.monotonic() + delay > deadline:
-                raise StorageLost(f"storage {url} lost while {what}: {cause}") from None
-            if delay == 0.2:  # the first retry: say what for, how long, how to stop
-                log.warning(f"storage {url} unreachable while {what} ({cause}); retrying for up to {budget:.0f}s "
-                            f"(${RETRY_ENV}): Ctrl-C stops")
-            time.sleep(delay)
-            delay = min(delay * 2, 5.0)
-
-
-def _cause(e: BaseException, parsed: URL | None) -> str:
-    """The database's own message behind Optuna's and SQLAlchemy's wrappers, on one line
-    (Optuna's StorageInternalError says "exceeding max length" whatever went wrong)."""
-    seen = e
-    for _ in range(8):
-        if isinstance(seen, DBAPIError) and seen.orig is not None:
-            return one_line(seen.orig, parsed)
-        nxt = seen.__cause__ or seen.__context__
-        if nxt is None:
-            break
-        seen = nxt
-    return one_line(seen, parsed)
 
 
 def _sqlite_path(url: URL) -> Path | None:

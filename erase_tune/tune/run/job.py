@@ -53,7 +53,7 @@ from erase_tune.tune.search.study import Attr, FrontPoint, make_sampler, noise_b
 from erase_tune.tune.execute.task import ConfirmSpec, ReferenceSpec
 from erase_tune.workloads import module_of
 
-__all__ = ["JobSummary", "start_job", "JobFailed", "DriverHooks"]
+__all__ = ["JobSpec", "Where", "Patience", "DriverHooks", "JobSummary", "start_job", "JobFailed"]
 
 log = logging.getLogger("erase_tune")
 
@@ -86,6 +86,62 @@ class DriverHooks:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class JobSpec:
+    """What :func:`start_job` runs, beyond the space file: the study and what it should hold."""
+
+    study_name: str | None = None
+    """The study (and job) name; default: the space file's name without its suffix."""
+    trials: int | None = None
+    """Measured trials the study should hold (every driver's count); default: the space's ``trials``."""
+    confirm_windows: int = 5
+    """Windows of the speed confirmation of the front at the end; 0: no confirmation."""
+    quality_scale: int | None = None
+    """Overrides the space's ``budget.quality_scale`` for the quality confirmation at the end."""
+    quality_seeds: int | None = None
+    """Overrides the space's ``budget.quality_seeds``."""
+
+    def __post_init__(self) -> None:
+        if self.trials is not None and not 1 <= self.trials <= MAX_TRIALS:
+            raise EraseTuneError(f"--trials: {self.trials} must be in 1..{MAX_TRIALS}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Where:
+    """Where the job runs: its storage and its Ray cluster."""
+
+    storage: str | None = None
+    """A SQLAlchemy URL; default: ``$ERASE_TUNE_STORAGE``, else ``sqlite:///erase-tune.db``."""
+    ray_address: str | None = None
+    """Default: ``$RAY_ADDRESS``, else a private local Ray."""
+    slots: int | None = None
+    """Trials in flight; default: one per GPU, else one per CPU."""
+    working_dir: str | None = None
+    """Shipped to the workers (Ray's runtime_env); default: the space's ``working_dir``."""
+    py_modules: tuple[str, ...] = ()
+    """Shipped to the workers too, after the space's ``py_modules``."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "py_modules", tuple(self.py_modules))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Patience:
+    """How long the job waits: for GPUs to appear, and before another driver's trial is stale."""
+
+    gpu_wait_s: float = 600.0
+    """Seconds to wait for GPU trial slots before giving up."""
+    grace_period_s: int = 60
+    """Seconds without a heartbeat after which a running trial is failed as stale."""
+
+    def __post_init__(self) -> None:
+        if not 2 * HEARTBEAT_S <= self.grace_period_s <= MAX_WAIT_S:
+            raise EraseTuneError(f"--grace-period: {self.grace_period_s} must be in {2 * HEARTBEAT_S}..{MAX_WAIT_S} "
+                                 "seconds (at least two heartbeats, at most a week)")
+        if not 0 <= self.gpu_wait_s <= MAX_WAIT_S:  # also refuses nan
+            raise EraseTuneError(f"--gpu-wait: {self.gpu_wait_s} must be in 0..{MAX_WAIT_S} seconds (at most a week)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class JobSummary:
     study_name: str
     storage: str
@@ -108,57 +164,41 @@ class JobSummary:
 def start_job(
     space_path: str | Path,
     *,
-    study_name: str | None = None,
-    trials: int | None = None,
-    storage: str | None = None,
-    ray_address: str | None = None,
-    slots: int | None = None,
-    working_dir: str | None = None,
-    py_modules: Sequence[str] = (),
-    gpu_wait_s: float = 600.0,
-    grace_period_s: int = 60,
-    confirm_windows: int = 5,
+    what: JobSpec = JobSpec(),
+    where: Where = Where(),
+    patience: Patience = Patience(),
     on_progress: Callable[[Progress], None] = lambda p: None,
-    quality_scale: int | None = None,
-    quality_seeds: int | None = None,
     driver: DriverHooks = DriverHooks(),
 ) -> JobSummary:
-    """Run (or resume) a tuning job; see the module docstring. ``quality_scale``/``quality_seeds``
-    override the space's budget fields for the quality confirmation at the end. ``driver``: what
-    the job asks of the process it runs in (``erase-tune start`` changes the process there)."""
-    space = with_quality(SearchSpace.load(space_path), quality_scale, quality_seeds)
+    """Run (or resume) a tuning job; see the module docstring. The arguments were checked when
+    they were made (:class:`JobSpec`, :class:`Where`, :class:`Patience`). ``driver``: what the job
+    asks of the process it runs in (``erase-tune start`` changes the process there)."""
+    space = with_quality(SearchSpace.load(space_path), what.quality_scale, what.quality_seeds)
     # Absolute, and now: export re-reads the space's relative py_modules against its directory,
     # from anywhere; and a Ray job's working directory may be gone once Ray has started.
     space_abspath = os.path.abspath(space_path)
     module = module_of(space.workload)
-    name = study_name if study_name is not None else Path(space_path).stem
+    name = what.study_name if what.study_name is not None else Path(space_path).stem
     if not name.strip():
         raise EraseTuneError("--study: the study name must not be empty")
     if problem := name_problem(name):  # status/export must be able to type it back
         raise EraseTuneError(f"--study: the study name {shown(name)} {problem}")
-    url = storage if storage is not None else default_storage_url()
+    url = where.storage if where.storage is not None else default_storage_url()
     parse_url(url)  # a malformed URL is refused before Ray starts
-    target = trials if trials is not None else space.trials
-    if not 1 <= target <= MAX_TRIALS:
-        raise EraseTuneError(f"--trials: {target} must be in 1..{MAX_TRIALS}")
-    if not 2 * HEARTBEAT_S <= grace_period_s <= MAX_WAIT_S:
-        raise EraseTuneError(f"--grace-period: {grace_period_s} must be in {2 * HEARTBEAT_S}..{MAX_WAIT_S} seconds "
-                             "(at least two heartbeats, at most a week)")
-    if not 0 <= gpu_wait_s <= MAX_WAIT_S:  # also refuses nan
-        raise EraseTuneError(f"--gpu-wait: {gpu_wait_s} must be in 0..{MAX_WAIT_S} seconds (at most a week)")
-    env = runtime_env(working_dir or space.working_dir, [*space.py_modules, *py_modules])
+    target = what.trials if what.trials is not None else space.trials  # the space file checks its own
+    env = runtime_env(where.working_dir or space.working_dir, [*space.py_modules, *where.py_modules])
     driver.import_from(import_dirs(env))  # the driver imports the workload too (to check the space)
     checked = check_space(space)
 
-    executor = RayExecutor(ray_address, workload=space.workload, slots=slots, device=space.device,
-                           gpus_per_trial=space.gpus_per_trial, runtime_env=env, gpu_wait_s=gpu_wait_s,
+    executor = RayExecutor(where.ray_address, workload=space.workload, slots=where.slots, device=space.device,
+                           gpus_per_trial=space.gpus_per_trial, runtime_env=env, gpu_wait_s=patience.gpu_wait_s,
                            on_ray_started=driver.ray_started)
     try:
         if space.gain_over == "graph" and executor.device != "cuda":
             raise EraseTuneError(f"{space.source}: gain_over: graph needs GPU trial slots, and this Ray cluster has "
                                  "none (use gain_over: eager, or a cluster with GPUs, or device: cuda to wait for them)")
         executor.wait_ready()
-        db = open_storage(url, heartbeat_interval=HEARTBEAT_S, grace_period=grace_period_s)
+        db = open_storage(url, heartbeat_interval=HEARTBEAT_S, grace_period=patience.grace_period_s)
         try:
             with db.lock(f"study:{name}"):  # a study of another workload is refused before anything runs
                 _check_resumable(open_study(db.optuna, name), space, name)
@@ -192,7 +232,7 @@ def start_job(
             if floor:
                 log.info("noise floor of the NE gap: ±%.3f%% (a gap above the budget by less is not infeasible)",
                          100 * band)
-            summary = _run(db, loop, space, name, executor, confirm_windows)
+            summary = _run(db, loop, space, name, executor, what.confirm_windows)
         finally:
             db.close()
     finally:
@@ -204,8 +244,9 @@ def _mark_stopped(db: Any, name: str, e: BaseException) -> None:
     """The job ended by ``e``: interrupted (Ctrl-C, SIGTERM), else failed, with its one line."""
     interrupted = isinstance(e, KeyboardInterrupt)
     try:
-        db.store.set_job_status(name, "interrupted" if interrupted else "failed",
-                                error=" ".join(str(e).split()) or type(e).__name__)
+        with db.once():  # the storage itself may be what failed: not waited for again
+            db.store.set_job_status(name, "interrupted" if interrupted else "failed",
+                                    error=" ".join(str(e).split()) or type(e).__name__)
     except Exception:  # noqa: BLE001 - the storage itself may be what failed
         pass
 

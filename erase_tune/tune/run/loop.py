@@ -14,6 +14,11 @@ Liveness is Optuna's heartbeat: every driver beats for its own running trials an
 other drivers' trials whose heartbeat went stale (``fail_stale_trials``); the loop ends
 only when the study has its measured trials and nothing is RUNNING, so a re-run right
 after a ``kill -9`` finishes the job with no trial left RUNNING.
+
+Storage calls are made directly: the storage retries them itself while it is away
+(:mod:`erase_tune.store.retry`) and raises :class:`StorageLost` when it stays away. Writes
+made while the loop is already failing (failing an asked trial, :meth:`Loop.abort`) are tried
+once (:meth:`Storage.once`), so a lost storage is not waited for twice.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from optuna.storages import fail_stale_trials
 from optuna.trial import TrialState
 
 from erase_tune.runtime import ErasePlan
-from erase_tune.store.storage import Storage, StorageLost, retrying
+from erase_tune.store.storage import Storage, StorageLost
 from erase_tune.trial import BASELINE
 from erase_tune.tune.search.codec import BoundSpace
 from erase_tune.tune.execute.executor import RayExecutor, TrialHandle
@@ -119,7 +124,7 @@ class Loop:
                     inf.handle = self.executor.submit(inf.spec)
             while self.stopped is None and self.executor.idle() and self.admit():
                 pass
-            if not self.inflight and self.db("checking the study", self.finished):
+            if not self.inflight and self.finished():
                 break
             for handle, outcome in self.executor.wait(timeout=0.5):
                 self.finish(handle, outcome)
@@ -134,13 +139,13 @@ class Loop:
         """Ask and submit one trial if the study needs one; False when it needs none now."""
         t0 = time.perf_counter()
         with self.storage.lock(f"study:{self.study.study_name}"):
-            if not self.db("counting the study's trials", self._room):
+            if not self._room():
                 return False
-            trial = self.db("asking for a trial", self.study.ask)
+            trial = self.study.ask()
             try:
                 admitted = self._propose(trial)
             except BaseException:
-                with contextlib.suppress(Exception):  # never leave an asked trial RUNNING behind
+                with contextlib.suppress(Exception), self.storage.once():  # never leave an asked trial RUNNING
                     self.study.tell(trial, state=TrialState.FAIL)
                 raise
         if isinstance(admitted, str):
@@ -170,25 +175,23 @@ class Loop:
 
     def _propose(self, trial: optuna.Trial) -> _Inflight | str:
         """Turn an asked trial into a plan: a new one to run, or a repeat answered at once.
-        Every write here is idempotent, so a retry after a lost connection repeats it safely."""
-        self.db("starting the trial's heartbeat",
-                lambda: self.storage.optuna.record_heartbeat(self.recorder.trial_id(trial.number)))
+        Every write here is idempotent, so the storage's retry after a lost connection repeats it safely."""
+        self.storage.optuna.record_heartbeat(self.recorder.trial_id(trial.number))
         plan = self.checked.plan(trial)
         key = plan.dumps()
-        trials = self.db("reading the study", lambda: self.study.get_trials(deepcopy=False))
+        trials = self.study.get_trials(deepcopy=False)
         earlier = next((t for t in trials if t.user_attrs.get(Attr.PLAN_KEY) == key
                         and Attr.DUPLICATE_OF not in t.user_attrs and t.number != trial.number
                         and (t.state in (TrialState.COMPLETE, TrialState.RUNNING)
                              or t.user_attrs.get(Attr.FAILURE_KIND) == "trial")), None)
         if earlier is not None:
-            return self.db("answering a repeat", lambda: self.recorder.duplicate(trial, earlier, key))
+            return self.recorder.duplicate(trial, earlier, key)
         for name, value in ((Attr.PLAN, plan.to_dict()), (Attr.PLAN_KEY, key), (Attr.PLAN_SUMMARY, plan.describe()),
                             (Attr.MAX_NE_GAP, self.space.max_ne_gap)):
-            self.db("describing the trial", lambda name=name, value=value: trial.set_user_attr(name, value))
+            trial.set_user_attr(name, value)
         spec = TrialSpec(trial_number=trial.number, workload=self.space.workload,
                          workload_args=dict(self.space.workload_args), plan=plan.to_dict(),
-                         budget=dataclasses.asdict(self.space.budget), baseline_ne=self.db(
-                             "reading the baseline cache", self.recorder.baseline_ne),
+                         budget=dataclasses.asdict(self.space.budget), baseline_ne=self.recorder.baseline_ne(),
                          reference_error=self.reference_error)
         return _Inflight(number=trial.number, plan=plan, key=key, spec=spec)
 
@@ -204,12 +207,11 @@ class Loop:
         received, t0 = time.time(), time.perf_counter()
         entry = Entry(trial_number=inf.number, plan_key=inf.key, attempts=inf.attempts, outcome=outcome)
         self.journal.write(entry)  # before the storage: a lost storage must not lose the measurement
-        message = self.db(f"recording trial {inf.number}", lambda: self.recorder.record(
-            inf.number, inf.key, outcome, inf.attempts))
+        message = self.recorder.record(inf.number, inf.key, outcome, inf.attempts)
         self.journal.remove(inf.number)
         self.inflight.remove(inf)
         if failure is not None and self.stopped is None:
-            self.stopped = self.db("reading the study", lambda: systematic_failure(self.study))
+            self.stopped = systematic_failure(self.study)
         w = outcome.worker
         if outcome.complete:
             self.cost["record"].append(time.perf_counter() - t0)
@@ -231,7 +233,7 @@ class Loop:
             fail_stale_trials(self.study)
             # A trial asked by a driver that died before its first heartbeat has no heartbeat
             # for Optuna to find stale, and no plan: fail it once it is older than the grace.
-            grace = dt.timedelta(seconds=self.storage.optuna.grace_period or 2 * HEARTBEAT_S)
+            grace = dt.timedelta(seconds=self.storage.optuna.rdb.grace_period or 2 * HEARTBEAT_S)
             now = dt.datetime.now()
             for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
                 if Attr.PLAN_KEY not in t.user_attrs and t.datetime_start and now - t.datetime_start > grace:
@@ -239,7 +241,7 @@ class Loop:
                         self.study.tell(t.number, state=TrialState.FAIL)
 
         try:
-            self.db("keeping heartbeats", beat)
+            beat()
         except StorageLost as e:
             log.warning("%s (continuing: the next result decides)", e)
 
@@ -255,15 +257,13 @@ class Loop:
             if inf.handle is not None:
                 self.executor.cancel(inf.handle, reason)
             try:
-                self.study.tell(inf.number, state=TrialState.FAIL)
+                with self.storage.once():  # the storage may be what failed: not waited for again
+                    self.study.tell(inf.number, state=TrialState.FAIL)
             except Exception:  # noqa: BLE001 - the storage may be what failed
                 pass
         self.inflight.clear()
 
     # -- helpers -------------------------------------------------------------------------------
-
-    def db(self, what: str, fn: Callable[[], object]) -> object:
-        return retrying(what, fn, url=self.storage.url, parsed=self.storage.parsed)
 
     def overhead(self) -> dict[str, float]:
         """Mean seconds per measured trial of each cost, and the whole overhead as a fraction of

@@ -1,0 +1,132 @@
+"""The retry policy for a storage that goes away, applied once, at the storage's edge.
+
+Every call that reaches the database through :class:`~erase_tune.store.storage.Storage`
+(Optuna's storage, :class:`~erase_tune.store.optuna_storage.RetryingStorage`, and erase-tune's
+tables, :class:`~erase_tune.store.Store`) runs through a :class:`Retrier`: a lost connection, a
+locked database or a restarting server is retried with backoff for up to
+``$ERASE_TUNE_STORAGE_RETRY_S`` seconds (default 60); then, or at once for a read-only
+database, the call raises :class:`StorageLost` (one line naming the storage, what was being
+done and the database's own message; the CLI's exit code 3). Callers therefore call the
+storage directly and never wrap a call in a retry of their own.
+
+A retried call must be safe to repeat. Reads are; so are upserts and attribute writes. A plain
+INSERT is not: a commit whose answer was lost may have stored the row, so such a write
+(``idempotent=False``) is retried only when it failed before its commit was sent
+(:class:`UncertainCommit` marks the other case, which ends in :class:`StorageLost` at once).
+
+``Retrier.once()`` turns retries off for the calling thread: best-effort writes after the
+storage was already declared lost (failing the trials of a driver that stops, marking its job
+stopped) are tried once instead of waiting out the retry window again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import optuna
+from sqlalchemy.engine import URL
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+
+from erase_tune._env import RETRY_ENV, env_seconds
+from erase_tune.errors import EraseTuneError
+from erase_tune.store.engine import one_line
+
+__all__ = ["RETRY_ENV", "StorageLost", "UncertainCommit", "Retrier", "retrying", "retried", "cause"]
+
+T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
+
+log = logging.getLogger("erase_tune.store.storage")
+
+
+class StorageLost(EraseTuneError):
+    """The storage stayed unreachable or unwritable through every retry."""
+
+    exit_code = 3
+
+
+class UncertainCommit(SQLAlchemyError):
+    """A commit failed: what it wrote may or may not be stored (the answer was lost)."""
+
+
+def retrying(what: str, fn: Callable[[], T], *, url: str, parsed: URL | None = None, idempotent: bool = True) -> T:
+    """``fn()``, retried with backoff while the storage is unreachable (lost connection,
+    locked, server restarting) for up to ``$ERASE_TUNE_STORAGE_RETRY_S`` seconds; then, or at
+    once for a read-only database (or an uncertain commit of a write that is not
+    ``idempotent``), :class:`StorageLost` naming the storage and the cause."""
+    budget = env_seconds(RETRY_ENV, 60.0)
+    deadline = time.monotonic() + budget
+    delay = 0.2
+    while True:
+        try:
+            return fn()
+        except (SQLAlchemyError, optuna.exceptions.StorageInternalError) as e:
+            why = cause(e, parsed)
+            repeat_unsafe = not idempotent and isinstance(e, UncertainCommit)
+            if repeat_unsafe or "readonly" in why.replace(" ", "").lower() or time.monotonic() + delay > deadline:
+                raise StorageLost(f"storage {url} lost while {what}: {why}") from None
+            if delay == 0.2:  # the first retry: say what for, how long, how to stop
+                log.warning(f"storage {url} unreachable while {what} ({why}); retrying for up to {budget:.0f}s "
+                            f"(${RETRY_ENV}): Ctrl-C stops")
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
+def cause(e: BaseException, parsed: URL | None) -> str:
+    """The database's own message behind Optuna's and SQLAlchemy's wrappers, on one line
+    (Optuna's StorageInternalError says "exceeding max length" whatever went wrong)."""
+    seen = e
+    for _ in range(8):
+        if isinstance(seen, DBAPIError) and seen.orig is not None:
+            return one_line(seen.orig, parsed)
+        nxt = seen.__cause__ or seen.__context__
+        if nxt is None:
+            break
+        seen = nxt
+    return one_line(seen, parsed)
+
+
+class Retrier:
+    """The retry policy of one storage (see the module docstring): shared by its Optuna
+    storage and its tables, so that :meth:`once` covers both."""
+
+    def __init__(self, url: str, parsed: URL | None = None) -> None:
+        self.url = url
+        """The storage URL with its secrets masked: the one named in :class:`StorageLost`."""
+        self.parsed = parsed
+        self._local = threading.local()
+
+    def __call__(self, what: str, fn: Callable[[], T], *, idempotent: bool = True) -> T:
+        if getattr(self._local, "once", False):
+            return fn()
+        return retrying(what, fn, url=self.url, parsed=self.parsed, idempotent=idempotent)
+
+    @contextlib.contextmanager
+    def once(self) -> Iterator[None]:
+        """Calls in this block (this thread) are tried once, not retried."""
+        before = getattr(self._local, "once", False)
+        self._local.once = True
+        try:
+            yield
+        finally:
+            self._local.once = before
+
+
+def retried(what: str, *, idempotent: bool = True) -> Callable[[F], F]:
+    """A method of an object with a ``retry`` :class:`Retrier`, run through it as a whole
+    (each attempt in a fresh transaction): ``what`` completes "storage … lost while …"."""
+
+    def wrap(method: F) -> F:
+        @functools.wraps(method)
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return self.retry(what, lambda: method(self, *args, **kwargs), idempotent=idempotent)
+
+        return run  # type: ignore[return-value]
+
+    return wrap
