@@ -31,6 +31,7 @@ import math
 import os
 import signal
 import socket
+import sqlite3
 import stat
 import subprocess
 import sys
@@ -122,7 +123,14 @@ def error_line(err: str, where: str) -> str:
 
 
 def _digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    """What a SQLite database holds (its SQL dump, read through a read-only connection), not its
+    bytes: the storage is in WAL mode, so any connection's closing may checkpoint the log into
+    the main file (another case's, collected late) and change its bytes without changing a row."""
+    con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        return hashlib.sha256("\n".join(con.iterdump()).encode()).hexdigest()
+    finally:
+        con.close()
 
 
 class OutputWorld:
@@ -186,8 +194,12 @@ class OutputWorld:
     def trials(self) -> list[tuple]:
         import optuna
 
-        study = optuna.load_study(study_name=self.study, storage=self.url)
-        return [(t.number, t.state, t.values, t.params) for t in study.get_trials()]
+        storage = optuna.storages.RDBStorage(self.url)
+        try:
+            study = optuna.load_study(study_name=self.study, storage=storage)
+            return [(t.number, t.state, t.values, t.params) for t in study.get_trials()]
+        finally:
+            storage.engine.dispose()  # no connection left to checkpoint the log during a later case
 
     def fresh(self) -> Path:
         self.counter += 1
