@@ -50,21 +50,6 @@ __all__ = ["main", "build_parser", "one_line"]
 log = logging.getLogger("erase_tune")
 
 
-def _workload_args(pairs: Sequence[str]) -> dict[str, Any]:
-    import yaml
-
-    args: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise EraseTuneError(f"--arg: {pair!r} is not KEY=VALUE")
-        try:
-            args[key] = yaml.safe_load(value) if value else ""
-        except (yaml.YAMLError, ValueError, RecursionError):
-            args[key] = value
-    return args
-
-
 def _budget(ns: argparse.Namespace) -> Any:
     from erase_tune.trial import Budget
 
@@ -99,11 +84,11 @@ def cmd_trial(ns: argparse.Namespace) -> int:
     from erase_tune.runtime import ErasePlan
     from erase_tune.trial import run_trial
     from erase_tune.tune.views.tables import trial_table
-    from erase_tune.workloads import get_workload
+    from erase_tune.workloads import get_workload, workload_args
 
     _check_noise_flag(ns)
     plan = ErasePlan.load(ns.plan)
-    workload = get_workload(ns.workload, _workload_args(ns.arg))
+    workload = get_workload(ns.workload, workload_args(ns.arg))
     try:  # the plan may not fit this model: name the file
         result = run_trial(workload, plan, _budget(ns), device=ns.device)
     except PlanError as e:
@@ -149,14 +134,14 @@ def _noise_line(floor: Any, ne_gap: float | None, plan: Any = None) -> str:
 
 def cmd_bench(ns: argparse.Namespace) -> int:
     from erase_tune.bench import run_bench
-    from erase_tune.workloads import get_workload
+    from erase_tune.workloads import get_workload, workload_args
 
     if ns.trace is not None:
         from erase_tune._files import check_output
 
         check_output(ns.trace, flag="--trace", directory=True)
     _check_noise_flag(ns)
-    workload = get_workload(ns.workload, _workload_args(ns.arg))
+    workload = get_workload(ns.workload, workload_args(ns.arg))
     cuts = [c for c in ns.cuts.split(",") if c] if ns.cuts else None
     only = [c.strip() for c in ns.only.split(",") if c.strip()] if ns.only else None
     result = run_bench(workload, budget=_budget(ns), device=ns.device, cuts=cuts, streams=ns.streams,

@@ -28,7 +28,7 @@ from erase_tune.runtime import device as dev  # noqa: E402
 from erase_tune.runtime import ErasePlan, Placement  # noqa: E402
 from erase_tune.runtime.device import resolve_device  # noqa: E402
 from erase_tune.trial import GRAPH_WARMUP, Variant, build_engine  # noqa: E402
-from erase_tune.workloads import get_workload  # noqa: E402
+from erase_tune.workloads import get_workload, workload_args  # noqa: E402
 
 
 def main() -> None:
@@ -40,7 +40,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--rounds", type=int, default=300, help="rounds of the attribution pass (0: none)")
     a = ap.parse_args()
-    args = {k: _value(v) for k, v in (s.split("=", 1) for s in a.arg)}
+    args = workload_args(a.arg)
     wl = get_workload(a.workload, args)
     device = resolve_device(a.device)
     torch.manual_seed(0)
@@ -126,14 +126,6 @@ def attribute(variants: dict, device, rounds: int) -> None:
         m, lo, hi = host_tax(cpu, name, "empty plan")
         print(f"  {name:<34} {cpu.median_us(name):>8,.0f} µs   tax {m:+7,.0f}")
 
-
-def _value(text: str):
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from erase_tune.measure.hostcpu import host_cpu_interleaved, host_tax  # noqa: E
 from erase_tune.runtime import Cut, ErasePlan, Graphed, Placement  # noqa: E402
 from erase_tune.runtime.device import resolve_device  # noqa: E402
 from erase_tune.trial import GRAPH_WARMUP, Variant, build_engine, jsonable_args  # noqa: E402
-from erase_tune.workloads import get_workload  # noqa: E402
+from erase_tune.workloads import get_workload, workload_args  # noqa: E402
 
 
 class _PassThrough(TorchFunctionMode):
@@ -106,7 +106,7 @@ def main() -> None:
     ap.add_argument("--window-steps", type=int, default=30)
     ap.add_argument("--out")
     a = ap.parse_args()
-    args = {k: _value(v) for k, v in (s.split("=", 1) for s in a.arg)}
+    args = workload_args(a.arg)
     workload = get_workload(a.workload, args)
     device = resolve_device(a.device)
     torch.manual_seed(0)
@@ -184,14 +184,6 @@ def _last_leaf(model: torch.nn.Module) -> str:
     """The model's last registered leaf module (for dlrm: the top MLP's Sigmoid)."""
     return [n for n, m in model.named_modules() if n and not list(m.children())][-1]
 
-
-def _value(text: str):
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from erase_tune.runtime import Cut, ErasePlan, Graphed, Placement  # noqa: E402
 from erase_tune.runtime.device import resolve_device, synchronize  # noqa: E402
 from erase_tune.trial import Variant, build_engine  # noqa: E402
-from erase_tune.workloads import get_workload  # noqa: E402
+from erase_tune.workloads import get_workload, workload_args  # noqa: E402
 
 BLOCKING = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
@@ -40,7 +40,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out")
     a = ap.parse_args()
-    args = {k: _value(v) for k, v in (s.split("=", 1) for s in a.arg)}
+    args = workload_args(a.arg)
     workload, device = get_workload(a.workload, args), resolve_device(a.device)
     torch.manual_seed(0)
     data, init = workload.make_data(device), workload.build_model()
@@ -80,14 +80,6 @@ def main() -> None:
     if a.out:
         Path(a.out).write_text(json.dumps(rows, indent=1))
 
-
-def _value(text: str):
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
 
 
 if __name__ == "__main__":

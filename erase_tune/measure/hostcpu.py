@@ -27,7 +27,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from erase_tune.measure.timing import StepRunner
+from erase_tune.measure.timing import StepRunner, interleave
 
 __all__ = ["HostCpu", "blocking_sync", "host_cpu_interleaved", "host_tax"]
 
@@ -130,27 +130,17 @@ def host_cpu_interleaved(runners: Mapping[str, StepRunner], *, device: torch.dev
     if not runners:
         raise ValueError("runners: need at least one runner to measure")
     device = torch.device(device)
-    names = list(runners)
-    index = dict.fromkeys(names, start_step)
-    out: dict[str, list[float]] = {n: [] for n in names}
     with blocking_sync(device) as (excluded, how):
-        for name in names:
-            for _ in range(warmup_steps):
-                runners[name](index[name])
-                index[name] += 1
-        _sync(device)
-        for r in range(windows):
-            shift = r % len(names)
-            for name in names[shift:] + names[:shift]:
-                c0 = time.process_time()
-                for _ in range(window_steps):
-                    runners[name](index[name])
-                    index[name] += 1
-                _sync(device)
-                out[name].append((time.process_time() - c0) / window_steps)
+        out, _ = interleave(runners, _cpu_time_window, device=device, warmup_steps=warmup_steps, windows=windows,
+                            window_steps=window_steps, start_step=start_step)
     return HostCpu(per_window={n: tuple(v) for n, v in out.items()}, waits_excluded=excluded, how=how)
 
 
-def _sync(device: torch.device) -> None:
+def _cpu_time_window(step: StepRunner, first: int, count: int, device: torch.device) -> list[float]:
+    """One sample: the window's process CPU seconds per step, its device work waited for."""
+    c0 = time.process_time()
+    for k in range(count):
+        step(first + k)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    return [(time.process_time() - c0) / count]

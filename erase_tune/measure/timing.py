@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["StepRunner", "Timings", "InterleavedTimings", "time_interleaved"]
+__all__ = ["StepRunner", "Timings", "InterleavedTimings", "WindowMeasure", "interleave", "time_interleaved"]
 
 StepRunner = Callable[[int], Any]
 """One full training step for the given global step index; its return value is ignored."""
@@ -109,27 +109,9 @@ def time_interleaved(
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device: {device} is not supported for timing (only cpu and cuda)")
     window_timer = _cuda_window if device.type == "cuda" else _cpu_window
-
     names = list(runners)
-    next_index = {name: start_step for name in names}
-    samples: dict[str, list[float]] = {name: [] for name in names}
-    labels: dict[str, list[int]] = {name: [] for name in names}
-
-    for name in names:
-        for _ in range(warmup_steps):
-            runners[name](next_index[name])
-            next_index[name] += 1
-    # Warm-up work still queued on the device must not leak into the first timed window.
-    _synchronize(device)
-
-    for round_index in range(windows):
-        shift = round_index % len(names)
-        for name in names[shift:] + names[:shift]:
-            first = next_index[name]
-            times = window_timer(runners[name], first, window_steps, device)
-            next_index[name] = first + window_steps
-            samples[name].extend(times)
-            labels[name].extend([round_index] * window_steps)
+    samples, labels = interleave(runners, window_timer, device=device, warmup_steps=warmup_steps, windows=windows,
+                                 window_steps=window_steps, start_step=start_step)
 
     steps_run = warmup_steps + windows * window_steps
     return InterleavedTimings(
@@ -138,6 +120,36 @@ def time_interleaved(
         next_step=start_step + steps_run,
         clock="cuda_event" if device.type == "cuda" else "perf_counter",
     )
+
+
+WindowMeasure = Callable[[StepRunner, int, int, torch.device], list[float]]
+"""``(runner, first step index, steps, device) -> samples``: runs one window and measures it."""
+
+
+def interleave(runners: Mapping[str, StepRunner], window: WindowMeasure, *, device: torch.device,
+               warmup_steps: int, windows: int, window_steps: int,
+               start_step: int = 0) -> tuple[dict[str, list[float]], dict[str, list[int]]]:
+    """The schedule of :func:`time_interleaved` with any window measurement: warm-up, a device
+    sync, then ``windows`` rotating rounds. Returns each runner's samples and, per sample, its round."""
+    names = list(runners)
+    next_index = {name: start_step for name in names}
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    labels: dict[str, list[int]] = {name: [] for name in names}
+    for name in names:
+        for _ in range(warmup_steps):
+            runners[name](next_index[name])
+            next_index[name] += 1
+    # Warm-up work still queued on the device must not leak into the first timed window.
+    _synchronize(device)
+    for round_index in range(windows):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            first = next_index[name]
+            got = window(runners[name], first, window_steps, device)
+            next_index[name] = first + window_steps
+            samples[name].extend(got)
+            labels[name].extend([round_index] * len(got))
+    return samples, labels
 
 
 def _cuda_window(step: StepRunner, first: int, count: int, device: torch.device) -> list[float]:

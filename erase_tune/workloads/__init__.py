@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from erase_tune.errors import WorkloadError, one_line, shown
+from erase_tune.errors import EraseTuneError, WorkloadError, one_line, shown
 from erase_tune.workloads.base import Batch, Workload, WorkloadData
 
-__all__ = ["BUILTINS", "Batch", "Workload", "WorkloadData", "get_workload", "module_of"]
+__all__ = ["BUILTINS", "Batch", "Workload", "WorkloadData", "get_workload", "module_of", "workload_args"]
 
 BUILTINS = ("ctr", "gpt", "mlp", "dlrm")
 """Built-in workloads; each is ``erase_tune.workloads.<name>.workload``."""
@@ -233,3 +233,20 @@ def _resolved(factory: Callable[..., Any], args: Mapping[str, Any]) -> dict[str,
         return dict(args)
     defaults = {p.name: p.default for p in params if p.default is not _MISSING and p.kind is not p.POSITIONAL_ONLY}
     return {**defaults, **args}
+
+
+def workload_args(pairs: Iterable[str]) -> dict[str, Any]:
+    """``--arg KEY=VALUE`` pairs as a workload's arguments: each value read as YAML (``4096`` an
+    int, ``1e-3`` a float, ``512-256-128`` a string), kept as text where YAML cannot read it."""
+    import yaml
+
+    args: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise EraseTuneError(f"--arg: {pair!r} is not KEY=VALUE")
+        try:
+            args[key] = yaml.safe_load(value) if value else ""
+        except (yaml.YAMLError, ValueError, RecursionError):
+            args[key] = value
+    return args
