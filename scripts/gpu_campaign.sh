@@ -18,6 +18,8 @@
 #       plans d and e exported (docs/results/h200-2026-12-01/best_ctr*_graph.yaml);
 #   h   the host cost on dlrm at batch 4096 (issue 16): the host-CPU GPU test, the reference GPU tests,
 #       scripts/host_table.py with its host-CPU pass (waits left out), `erase-tune bench` on dlrm;
+#   h5  the same after the lean join (held references instead of record_stream, events recorded
+#       again, pending aliases made plain once joined): runtime GPU tests, attribution, host table;
 #   n   the NE gap's evidence (scripts/ne_evidence.py): the noise floor of every shipped space (gpt
 #       in bf16 and float32) and the rank agreement of search and confirmed NE gaps over 12 plans.
 # On two H200s (nvidia-h200-x2):
@@ -168,6 +170,15 @@ case $phase in
     step host_table 120 0 $py scripts/host_table.py --workload dlrm --arg batch=4096 --arg train_batches=64 \
       --arg eval_batches=2 --device cuda --windows 4 --window-steps 30 --cpu-windows 400 --cpu-window-steps 1 \
       --out "$work/host_cpu_dlrm4096_fast.json"
+    ;;
+  h5)  # the lean join (held references, re-recorded events, aliases made plain once joined): GPU tests, attribution, table
+    step gputests 170 0 $py -m pytest -q -m gpu tests/runtime tests/measure tests/workloads/test_dlrm.py \
+      tests/test_reference_gpu.py tests/tune/test_reference_gpu.py -p no:cacheprovider
+    step host_profile 80 0 $py scripts/host_profile.py --workload dlrm --arg batch=4096 --arg train_batches=64 \
+      --arg eval_batches=2 --device cuda --steps 60 --rounds 1000
+    step host_table 200 0 $py scripts/host_table.py --workload dlrm --arg batch=4096 --arg train_batches=64 \
+      --arg eval_batches=2 --device cuda --windows 4 --window-steps 30 --cpu-windows 600 --cpu-window-steps 1 \
+      --out "$work/host_cpu_dlrm4096_lean.json"
     ;;
   n)
     step ne_evidence 480 0 $py scripts/ne_evidence.py --out "$work" --rank-arg train_batches=1700

@@ -3,8 +3,9 @@ an empty plan and with one module whose work is negligible placed on a side stre
 
     python scripts/host_profile.py --workload dlrm --arg batch=4096 --device cuda [--module top_l.9]
 
-Then an attribution pass: the placement as shipped, with torch's Python stream API, and with
-``record_stream`` skipped, each against the empty plan, alternating step by step.
+Then an attribution pass: the placement, and a second engine with an empty plan (what two runs of
+the same work differ by: the resolution of the figures), each against the empty plan, alternating
+step by step (the process's CPU, and the training thread's own).
 Prints, per variant, the process CPU µs per step (device waits left out: erase_tune.measure.hostcpu)
 and the functions whose own time per step differs most between the two (profiled steps are
 slower than real ones; read the differences, not the absolute figures).
@@ -24,7 +25,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from erase_tune.measure.hostcpu import blocking_sync, host_cpu_interleaved, host_tax  # noqa: E402
-from erase_tune.runtime import device as dev  # noqa: E402
 from erase_tune.runtime import ErasePlan, Placement  # noqa: E402
 from erase_tune.runtime.device import resolve_device  # noqa: E402
 from erase_tune.trial import GRAPH_WARMUP, Variant, build_engine  # noqa: E402
@@ -71,7 +71,9 @@ def main() -> None:
             stats[name] = pstats.Stats(prof).stats  # (file, line, fn) -> (cc, nc, tt, ct, callers)
     print(how)
     if a.rounds:
-        attribute(variants, device, a.rounds)
+        empty = plans["empty plan"]
+        attribute(variants, device, a.rounds,
+                  Variant(plan=empty, engine=build_engine(wl, empty, init, data, device), data=data))
     (ea, eb) = stats.values()
     keys = set(ea) | set(eb)
 
@@ -88,43 +90,21 @@ def main() -> None:
               f"{sum(v[1] for v in st.values()) / a.steps:.0f} calls/step")
 
 
-class _Patched:
-    """A variant stepped with some of erase_tune.runtime.device's functions swapped (attribution only)."""
-
-    def __init__(self, variant, **swap) -> None:
-        self.variant, self.swap = variant, swap
-
-    def __call__(self, step: int) -> None:
-        saved = {k: getattr(dev, k) for k in self.swap}
-        for k, v in self.swap.items():
-            setattr(dev, k, v)
-        try:
-            self.variant(step)
-        finally:
-            for k, v in saved.items():
-                setattr(dev, k, v)
-
-
-def attribute(variants: dict, device, rounds: int) -> None:
-    """CPU µs/step over the empty plan, the variants alternating step by step: the placement as
-    shipped; with torch's Python stream API (what the runtime used before); with record_stream
-    skipped (not safe for training: it shows what the allocator's cross-stream bookkeeping costs)."""
+def attribute(variants: dict, device, rounds: int, again: Variant) -> None:
+    """CPU µs/step over the empty plan, the variants alternating step by step: the placement,
+    and ``again``, a second engine with an empty plan over the same model and data (an A/A pair)."""
     empty, placed = variants.values()
-    runners = {
-        "empty plan": empty,
-        "placed (as shipped)": placed,
-        "placed, torch.cuda stream API": _Patched(
-            placed, current_stream=lambda d: torch.cuda.current_stream(d) if d.type == "cuda" else None,
-            use_stream=lambda s: torch.cuda.stream(s) if s is not None else __import__("contextlib").nullcontext()),
-        "placed, no record_stream": _Patched(placed, record_stream=lambda tensors, stream, device: None),
-    }
+    for i in range(GRAPH_WARMUP + 5):
+        again(i)
+    runners = {"empty plan": empty, "placed": placed, "empty plan, a second engine (A/A)": again}
     cpu = host_cpu_interleaved(runners, device=device, warmup_steps=2, windows=rounds, window_steps=1,
                                start_step=10_000)
     print(f"attribution: CPU µs/step, {rounds} rounds alternating step by step; tax = median of the difference "
           "to the empty plan in the same round")
     for name in runners:
         m, lo, hi = host_tax(cpu, name, "empty plan")
-        print(f"  {name:<34} {cpu.median_us(name):>8,.0f} µs   tax {m:+7,.0f}")
+        t, _, _ = host_tax(cpu, name, "empty plan", main_thread=True)
+        print(f"  {name:<34} {cpu.median_us(name):>8,.0f} µs   tax {m:+7,.0f}   training thread's {t:+7,.0f}")
 
 
 

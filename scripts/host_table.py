@@ -1,13 +1,15 @@
 """Where a host-bound step's time goes: the plain loop against the engine's variants, one process.
 
 Re-measures, on the product, the table behind the host-tax work (docs/benchmarks.md): the
-user's plain training loop; the same loop inside a pass-through TorchFunctionMode (what
+user's plain training loop, twice (two copies of the same loop: what a figure's resolution is); the same loop inside a pass-through TorchFunctionMode (what
 intercepting every torch call costs); the engine with an empty plan; one module placed on a
 side stream; one cut (blocking, with a per-cut CUDA graph, threaded + per-cut graph,
 deferred); graphed pieces (captured and replayed inside the eager step, not detached); and
 the plain loop with a module wrapped by ``torch.cuda.make_graphed_callables`` by hand; a module whose
-work is negligible placed (its placement costs only the runtime's own work); and the plain loop doing a
-cut's aux-head work by hand (what a cut costs beyond its head is the cut minus that row). Every
+work is negligible placed (its placement costs only the runtime's own work), beside the plain loop
+running that module on a side stream by hand as torch's docs show; and the plain loop doing a cut's
+aux-head work by hand, its backward at once or with the main loss's (what a blocking or deferred cut
+costs beyond its head is the cut minus that row). Every
 variant starts from the same weights, sees the same batches, and is timed in interleaved
 windows on the device (erase_tune.measure.time_interleaved); each ratio is the per-window
 median-QPS ratio against the plain loop, median [lo, hi].
@@ -46,9 +48,11 @@ class _Plain:
     with one module replaced by its hand-made graphed callable)."""
 
     def __init__(self, workload, init, data, device, *, mode: bool = False, graph: str | None = None,
-                 head: tuple[str, torch.nn.Module, float] | None = None) -> None:
+                 head: tuple[str, torch.nn.Module, float] | None = None, blocking: bool = False,
+                 side: str | None = None) -> None:
         self.model = copy.deepcopy(init).to(device)
         self.head = None
+        self.blocking = blocking
         params = list(self.model.parameters())
         if head is not None:  # (module, its aux head, lambda): the cut's extra work, by hand
             module, h, self.aux_weight = head
@@ -56,7 +60,9 @@ class _Plain:
             params += list(self.head.parameters())
             cut = self.model.get_submodule(module)  # a cut: inputs and output detached, the head trains it
             cut.register_forward_pre_hook(lambda m, a: tuple(x.detach() for x in a))
-            cut.register_forward_hook(lambda m, a, out: (setattr(self, "cut_out", out), out.detach())[1])
+            cut.register_forward_hook(lambda m, a, out: (self._cut_out(out), out.detach())[1])
+        if side is not None:  # the module on a side stream, written as torch's docs show
+            _on_side_stream(self.model.get_submodule(side), device)
         self.opt = workload.optimizer(params)
         self.loss_fn, self.data, self.mode, self.graph, self.calls = workload.loss_fn, data, mode, graph, 0
 
@@ -66,15 +72,21 @@ class _Plain:
             self._wrap(inputs)
         self.calls += 1
         self.opt.zero_grad()
+        self.target = target
         if self.mode:
             with _PassThrough():
                 loss = self.loss_fn(self.model(*inputs), target)
         else:
             loss = self.loss_fn(self.model(*inputs), target)
-        if self.head is not None:  # what a deferred cut computes: the head on the detached output
+        if self.head is not None and not self.blocking:  # what a deferred cut computes: the head on the detached output
             loss = loss + self.aux_weight * self.loss_fn(self.head(self.cut_out), target)
         loss.backward()
         self.opt.step()
+
+    def _cut_out(self, out) -> None:
+        self.cut_out = out
+        if self.blocking:  # what a blocking cut does: the local loss's backward at once
+            (self.aux_weight * self.loss_fn(self.head(out), self.target)).backward()
 
     def _wrap(self, inputs) -> None:
         seen = {}
@@ -128,15 +140,19 @@ def main() -> None:
     plans[f"{a.graph} + {a.also_graph} graphed (engine)"] = ErasePlan(
         graphs=(Graphed(module=a.graph), Graphed(module=a.also_graph)))
     runners = {"plain loop": _Plain(workload, init, data, device),
+               "plain loop, a second copy (A/A: the resolution)": _Plain(workload, init, data, device),
                "plain loop, pass-through TorchFunctionMode": _Plain(workload, init, data, device, mode=True)}
     if cuda:
         runners[f"plain loop, {a.graph} graphed by hand"] = _Plain(workload, init, data, device, graph=a.graph)
+        runners[f"plain loop, {tiny} on a side stream by hand"] = _Plain(workload, init, data, device, side=tiny)
     for name, plan in plans.items():
         runners[name] = Variant(plan=plan, engine=build_engine(workload, plan, init, data, device), data=data)
     deferred = runners[f"{p} detached, deferred"].engine
     by_hand = f"plain loop + {p}'s aux head by hand"
-    runners[by_hand] = _Plain(workload, init, data, device,
-                              head=(p, deferred.heads[p], deferred.plan.cuts[0].aux_weight))
+    head = (p, deferred.heads[p], deferred.plan.cuts[0].aux_weight)
+    runners[by_hand] = _Plain(workload, init, data, device, head=head)
+    by_hand_blocking = f"plain loop + {p}'s aux head by hand, its backward at once"
+    runners[by_hand_blocking] = _Plain(workload, init, data, device, head=head, blocking=True)
     t = time_interleaved(runners, device=device, warmup_steps=GRAPH_WARMUP + 5, windows=a.windows,
                          window_steps=a.window_steps)
     cpu = None
@@ -154,23 +170,26 @@ def main() -> None:
         if cpu is not None:
             row["cpu_us_per_step"] = cpu.median_us(name)
             row["cpu_tax_us"] = list(host_tax(cpu, name, "plain loop"))
-            row["cpu_tax_over_head_us"] = list(host_tax(cpu, name, by_hand)) if "detached" in name else None
+            row["main_thread_cpu_tax_us"] = list(host_tax(cpu, name, "plain loop", main_thread=True))
+            hand = by_hand if "deferred" in name else by_hand_blocking
+            row["cpu_tax_over_head_us"] = list(host_tax(cpu, name, hand)) if "detached" in name else None
         rows.append(row)
-    base = rows[0]["ms_per_step"]
-    print(f"{'variant, batch ' + str(batch):<52} {'ms/step':>8} {'vs plain loop':>22} {'host CPU µs':>12} "
-          f"{'CPU tax µs [lo, hi]':>24} {'beyond head':>12}")
+    print(f"{'variant, batch ' + str(batch):<60} {'ms/step':>8} {'vs plain loop':>22} {'host CPU µs':>12} "
+          f"{'CPU tax µs [lo, hi]':>24} {'main thread':>12} {'beyond head':>12}")
     for r in rows:
         m, lo, hi = r["vs_plain"]
-        line = f"{r['variant']:<52} {r['ms_per_step']:>8.3f} {m:>8.3f}x [{lo:.3f}-{hi:.3f}]"
+        line = f"{r['variant']:<60} {r['ms_per_step']:>8.3f} {m:>8.3f}x [{lo:.3f}-{hi:.3f}]"
         if cpu is not None:
             tm, tl, th = r["cpu_tax_us"]
             over = r["cpu_tax_over_head_us"]
             line += (f" {r['cpu_us_per_step']:>12,.0f} {f'{tm:+,.0f} [{tl:+,.0f}, {th:+,.0f}]':>24}"
-                     f" {f'{over[0]:+,.0f}' if over else '-':>12}")
+                     f" {r['main_thread_cpu_tax_us'][0]:>+12,.0f} {f'{over[0]:+,.0f}' if over else '-':>12}")
         print(line)
     if cpu is not None:
         print(f"host CPU: process CPU time per step, median of {a.cpu_windows} interleaved rounds of "
-              f"{a.cpu_window_steps} step(s); {cpu.how}")
+              f"{a.cpu_window_steps} step(s); {cpu.how}; 'main thread': the training thread's own share of "
+              "the tax; 'beyond head': over the plain loop doing the cut's aux-head work by hand (its backward at "
+              "once for blocking rows, with the main loss's for deferred)")
     if a.out:
         prov = provenance(device, workload=workload.name, workload_args=jsonable_args(workload.args),
                           windows=a.windows, window_steps=a.window_steps, cpu_windows=a.cpu_windows,
@@ -178,6 +197,25 @@ def main() -> None:
                           negligible=tiny, host_cpu=cpu.how if cpu else None)
         Path(a.out).write_text(json.dumps({"rows": rows, "samples": t.to_dict(), "provenance": prov,
                                            "host_cpu": cpu.to_dict() if cpu else None}, indent=1))
+
+
+def _on_side_stream(module: torch.nn.Module, device) -> None:
+    """``module``'s forward on its own stream, joined at once: the side-stream code a user writes
+    by hand (wait for the inputs, run, make the caller wait, tell the allocator who reads what)."""
+    forward, side = module.forward, torch.cuda.Stream(device)
+
+    def placed(*args):
+        here = torch.cuda.current_stream(device)
+        side.wait_stream(here)
+        with torch.cuda.stream(side):
+            out = forward(*args)
+        here.wait_stream(side)
+        for a in args:
+            a.record_stream(side)
+        out.record_stream(here)
+        return out
+
+    module.forward = placed
 
 
 def _last_leaf(model: torch.nn.Module) -> str:

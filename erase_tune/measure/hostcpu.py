@@ -41,22 +41,28 @@ class HostCpu:
     """Process CPU seconds per step of each variant, one value per window (interleaving round)."""
 
     per_window: dict[str, tuple[float, ...]]
+    main_thread_per_window: dict[str, tuple[float, ...]] = dataclasses.field(default_factory=dict)
+    """The calling (training) thread's own CPU seconds per step, per window: the rest of the
+    process's time is other threads' (the autograd engine's device threads, a launcher)."""
     waits_excluded: bool
     """True when device waits cost no CPU time (a CPU run, or blocking sync checked on the device)."""
     how: str
     """How waits were treated, in words (for provenance)."""
 
-    def median_us(self, name: str) -> float:
-        return statistics.median(self.per_window[name]) * 1e6
+    def median_us(self, name: str, *, main_thread: bool = False) -> float:
+        return statistics.median((self.main_thread_per_window if main_thread else self.per_window)[name]) * 1e6
 
     def to_dict(self) -> dict[str, object]:
         return {"per_window_s": {k: list(v) for k, v in self.per_window.items()},
+                "main_thread_per_window_s": {k: list(v) for k, v in self.main_thread_per_window.items()},
                 "waits_excluded": self.waits_excluded, "how": self.how}
 
 
-def host_tax(cpu: HostCpu, name: str, over: str) -> tuple[float, float, float]:
-    """(median, lo, hi) over windows of ``name``'s CPU µs/step minus ``over``'s in the same window."""
-    diffs = sorted((a - b) * 1e6 for a, b in zip(cpu.per_window[name], cpu.per_window[over]))
+def host_tax(cpu: HostCpu, name: str, over: str, *, main_thread: bool = False) -> tuple[float, float, float]:
+    """(median, lo, hi) over windows of ``name``'s CPU µs/step minus ``over``'s in the same window
+    (the training thread's alone with ``main_thread``)."""
+    per = cpu.main_thread_per_window if main_thread else cpu.per_window
+    diffs = sorted((a - b) * 1e6 for a, b in zip(per[name], per[over]))
     return statistics.median(diffs), diffs[0], diffs[-1]
 
 
@@ -130,17 +136,22 @@ def host_cpu_interleaved(runners: Mapping[str, StepRunner], *, device: torch.dev
     if not runners:
         raise ValueError("runners: need at least one runner to measure")
     device = torch.device(device)
+    names = {id(r): n for n, r in runners.items()}
+    thread: dict[str, list[float]] = {n: [] for n in runners}
+
+    def window(step: StepRunner, first: int, count: int, device: torch.device) -> list[float]:
+        """One sample: the window's process CPU seconds per step, its device work waited for
+        (and, on the side, the training thread's own)."""
+        c0, t0 = time.process_time(), time.thread_time()
+        for k in range(count):
+            step(first + k)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        thread[names[id(step)]].append((time.thread_time() - t0) / count)
+        return [(time.process_time() - c0) / count]
+
     with blocking_sync(device) as (excluded, how):
-        out, _ = interleave(runners, _cpu_time_window, device=device, warmup_steps=warmup_steps, windows=windows,
+        out, _ = interleave(runners, window, device=device, warmup_steps=warmup_steps, windows=windows,
                             window_steps=window_steps, start_step=start_step)
-    return HostCpu(per_window={n: tuple(v) for n, v in out.items()}, waits_excluded=excluded, how=how)
-
-
-def _cpu_time_window(step: StepRunner, first: int, count: int, device: torch.device) -> list[float]:
-    """One sample: the window's process CPU seconds per step, its device work waited for."""
-    c0 = time.process_time()
-    for k in range(count):
-        step(first + k)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return [(time.process_time() - c0) / count]
+    return HostCpu(per_window={n: tuple(v) for n, v in out.items()},
+                   main_thread_per_window={n: tuple(v) for n, v in thread.items()}, waits_excluded=excluded, how=how)
