@@ -339,7 +339,10 @@ class CutRunner(_Piece):
         for p in self.params:
             p.grad = None  # allocate the grads from the graph's pool: replays overwrite them
         graph = torch.cuda.CUDAGraph()
-        cap = host.capture_stream
+        # Captured on the stream it replays on: graphs captured on one stream share that stream's
+        # cuBLAS workspace, so two cuts' graphs replaying side by side on two streams must not
+        # come from one capture stream (their GEMMs would race on the workspace).
+        cap = self.stream if self.stream is not None else host.capture_stream
         dev.wait_stream(cap, dev.current_stream(host.device))
         try:
             with torch.cuda.graph(graph, stream=cap), torch.enable_grad():
@@ -441,7 +444,8 @@ class GraphedRunner(_Piece):
         try:
             sample = tuple(a.detach().clone().requires_grad_(a.requires_grad) for a in args)
             piece = _Chain(self.modules, self.forwards)
-            self.replayed = torch.cuda.make_graphed_callables(piece, sample, allow_unused_input=True)
+            with _capture_stream(self.stream):
+                self.replayed = torch.cuda.make_graphed_callables(piece, sample, allow_unused_input=True)
         except (RuntimeError, AssertionError, torch.cuda.CudaError) as e:  # type: ignore[attr-defined]
             raise CaptureError(f"graphed piece {shown(self.graphed.name)}: CUDA graph capture failed: "
                                f"{one_line(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)}"
@@ -450,6 +454,23 @@ class GraphedRunner(_Piece):
             if join is not None:
                 join.pause_depth -= 1
         self.signature = sig
+
+
+@contextlib.contextmanager
+def _capture_stream(stream: Any) -> Any:
+    """``make_graphed_callables`` captures on ``torch.cuda.graph``'s one default stream, so every
+    piece captured by it shares that stream's cuBLAS workspace: a piece that replays on a side
+    stream, beside others, is captured on that side stream instead (None: the default)."""
+    cls = torch.cuda.graph
+    if stream is None or not hasattr(cls, "default_capture_stream"):
+        yield
+        return
+    saved = cls.default_capture_stream
+    cls.default_capture_stream = stream
+    try:
+        yield
+    finally:
+        cls.default_capture_stream = saved
 
 
 class _Chain(nn.Module):
