@@ -118,7 +118,7 @@ def test_per_cut_graphs_on_two_streams_replay_exactly_like_blocking():
         engine = EraseEngine(model, plan, loss_fn=workload.loss_fn, optimizer=workload.optimizer,
                              example=data.batch(0), make_head=workload.make_head)
         for i in range(12):
-            engine.step(*data.batch(i))
+            float(engine.step(*data.batch(i)))  # as measured: each step waited for (0.0 under 9a8fc92)
         engine.close()
         return torch.cat([p.detach().flatten() for p in model.parameters()])
 
