@@ -13,7 +13,9 @@ on a device-side sleep that a wait really costs no CPU time, and restores the fl
 
 :func:`host_cpu_interleaved` then runs the variants in the same alternating windows as
 :func:`erase_tune.measure.time_interleaved` and reports each variant's process CPU time per step,
-per window; :func:`host_tax` is the per-window median difference of two variants in µs/step.
+per window, and the training thread's own share of it (the rest is other threads': the
+autograd engine's device threads, a launcher); :func:`host_tax` is the per-window median
+difference of two variants in µs/step.
 """
 
 from __future__ import annotations
@@ -137,6 +139,8 @@ def host_cpu_interleaved(runners: Mapping[str, StepRunner], *, device: torch.dev
         raise ValueError("runners: need at least one runner to measure")
     device = torch.device(device)
     names = {id(r): n for n, r in runners.items()}
+    if len(names) != len(runners):
+        raise ValueError("runners: each runner once (the training thread's time is kept per runner)")
     thread: dict[str, list[float]] = {n: [] for n in runners}
 
     def window(step: StepRunner, first: int, count: int, device: torch.device) -> list[float]:

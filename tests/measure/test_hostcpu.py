@@ -55,3 +55,21 @@ def test_blocking_sync_leaves_device_waits_out_of_the_cpu_time():
     c0, w0 = time.process_time(), time.perf_counter()
     torch.cuda.synchronize(device)
     assert time.process_time() - c0 > 0.5 * (time.perf_counter() - w0)
+
+
+def test_work_in_another_thread_counts_for_the_process_not_the_training_thread():
+    import threading
+
+    def helper_thread(i: int) -> None:  # the step's work done by another thread (as autograd's device thread does)
+        t = threading.Thread(target=_work(100), args=(i,))
+        t.start()
+        t.join()
+
+    cpu = host_cpu_interleaved({"here": _work(100), "there": helper_thread}, device=torch.device("cpu"),
+                               warmup_steps=1, windows=4, window_steps=5)
+    assert set(cpu.main_thread_per_window) == {"here", "there"}
+    here, there = cpu.median_us("here", main_thread=True), cpu.median_us("there", main_thread=True)
+    assert there < 0.5 * here  # the training thread only waited for the other one
+    assert cpu.median_us("there") > 0.5 * cpu.median_us("here")  # the process did the work all the same
+    moved, _, _ = host_tax(cpu, "there", "here", main_thread=True)
+    assert moved < 0
