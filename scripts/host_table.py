@@ -1,8 +1,8 @@
 """Where a host-bound step's time goes: the plain loop against the engine's variants, one process.
 
 Re-measures, on the product, the table behind the host-tax work (docs/benchmarks.md): the
-user's plain training loop, twice (two copies of the same loop: what a figure's resolution is); the same loop inside a pass-through TorchFunctionMode (what
-intercepting every torch call costs); the engine with an empty plan; one module placed on a
+user's plain training loop, twice (two copies of the same loop: what a figure's resolution is);
+the same loop inside a pass-through TorchFunctionMode (what intercepting every torch call costs); the engine with an empty plan; one module placed on a
 side stream; one cut (blocking, with a per-cut CUDA graph, threaded + per-cut graph,
 deferred); graphed pieces (captured and replayed inside the eager step, not detached); and
 the plain loop with a module wrapped by ``torch.cuda.make_graphed_callables`` by hand; a module whose

@@ -51,8 +51,12 @@ class HostCpu:
     how: str
     """How waits were treated, in words (for provenance)."""
 
+    def series(self, name: str, *, main_thread: bool = False) -> tuple[float, ...]:
+        """``name``'s seconds per step, window by window (the training thread's with ``main_thread``)."""
+        return (self.main_thread_per_window if main_thread else self.per_window)[name]
+
     def median_us(self, name: str, *, main_thread: bool = False) -> float:
-        return statistics.median((self.main_thread_per_window if main_thread else self.per_window)[name]) * 1e6
+        return statistics.median(self.series(name, main_thread=main_thread)) * 1e6
 
     def to_dict(self) -> dict[str, object]:
         return {"per_window_s": {k: list(v) for k, v in self.per_window.items()},
@@ -63,8 +67,8 @@ class HostCpu:
 def host_tax(cpu: HostCpu, name: str, over: str, *, main_thread: bool = False) -> tuple[float, float, float]:
     """(median, lo, hi) over windows of ``name``'s CPU µs/step minus ``over``'s in the same window
     (the training thread's alone with ``main_thread``)."""
-    per = cpu.main_thread_per_window if main_thread else cpu.per_window
-    diffs = sorted((a - b) * 1e6 for a, b in zip(per[name], per[over]))
+    diffs = sorted((a - b) * 1e6 for a, b in zip(cpu.series(name, main_thread=main_thread),
+                                                 cpu.series(over, main_thread=main_thread)))
     return statistics.median(diffs), diffs[0], diffs[-1]
 
 
