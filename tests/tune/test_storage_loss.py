@@ -41,13 +41,14 @@ def _journal(tmp_path) -> list:
 
 
 def _wait_for_trials(url: str, study: str, complete: int, within: float = 180) -> None:
-    """Until ``complete`` trials are stored and the next one is running."""
+    """Until ``complete`` trials are stored and the next one is running with its plan stored (in
+    flight: between Optuna's ask and the plan's write, a storage lost has nothing measured to keep)."""
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
         try:
             trials = optuna.load_study(study_name=study, storage=url).get_trials()
             if sum(t.state == TrialState.COMPLETE for t in trials) >= complete and any(
-                    t.state == TrialState.RUNNING for t in trials):
+                    t.state == TrialState.RUNNING and "plan_key" in t.user_attrs for t in trials):
                 return
         except Exception:  # noqa: BLE001 - the study may not exist yet
             pass
