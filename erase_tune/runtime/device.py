@@ -8,7 +8,6 @@ correctness test runs in CI without a GPU.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -20,11 +19,13 @@ __all__ = [
     "is_capturing",
     "current_stream",
     "new_stream",
+    "new_event",
+    "Side",
+    "side",
     "use_stream",
     "wait_stream",
     "record_event",
     "wait_event",
-    "record_stream",
     "synchronize",
 ]
 
@@ -82,7 +83,18 @@ def current_stream(device: torch.device):
 
 
 def new_stream(device: torch.device):
-    return torch.cuda.Stream(device) if device.type == "cuda" else None
+    """A new side stream (None on the CPU), registered so that :func:`current_stream` returns this
+    very object while it is current: the runtime compares and keys streams by identity."""
+    if device.type != "cuda":
+        return None
+    stream = torch.cuda.Stream(device)
+    _STREAMS[(stream.stream_id, stream.device_index, stream.device_type)] = stream
+    return stream
+
+
+def new_event(device: torch.device):
+    """An event to record again and again (one per piece or stream: :func:`record_event`)."""
+    return torch.cuda.Event() if device.type == "cuda" else None
 
 
 def use_stream(stream) -> contextlib.AbstractContextManager:
@@ -119,36 +131,91 @@ class _StreamSwitch:
         torch._C._cuda_setStream(stream_id=sid, device_index=index, device_type=kind)
 
 
-def wait_stream(consumer, producer) -> None:
-    """Work queued on ``consumer`` from now on waits for all work queued on ``producer`` so far."""
-    if consumer is not None and producer is not None and consumer != producer:
-        consumer.wait_stream(producer)
+# torch's C-level event calls (``torch.cuda.Event.record``/``.wait`` and ``Stream.wait_stream``
+# are Python wrappers around them that resolve the current stream or build a new event).
+_EventBase = getattr(torch._C, "_CudaEventBase", None)
+_record = getattr(_EventBase, "record", None)
+_wait = getattr(_EventBase, "wait", None)
 
 
-def record_event(stream):
+def wait_stream(consumer, producer, event=None) -> None:
+    """Work queued on ``consumer`` from now on waits for all work queued on ``producer`` so far
+    (through ``event``, recorded again, when given)."""
+    if consumer is not None and producer is not None and consumer is not producer:
+        _wait(record_event(producer, event), consumer)
+
+
+def record_event(stream, event=None):
+    """Record ``event`` (a new one when None) on ``stream``.
+
+    An event can be recorded again and again, under graph capture too: ``cudaStreamWaitEvent``
+    waits for the record that was the event's latest when the wait was queued, and every wait
+    the runtime queues follows its own record."""
     if stream is None:
         return None
-    event = torch.cuda.Event()
-    event.record(stream)
+    if event is None:
+        event = torch.cuda.Event()
+    _record(event, stream)
     return event
 
 
 def wait_event(stream, event) -> None:
     if stream is not None and event is not None:
-        stream.wait_event(event)
+        _wait(event, stream)
 
 
-def record_stream(tensors: Iterator[torch.Tensor], stream, device: torch.device) -> None:
-    """Tell the caching allocator that ``stream`` uses these tensors (they crossed streams).
+class Side:
+    """A piece's side stream, entered and left with torch's C-level calls and two events that
+    are recorded again on every call: no Python ``Stream`` or ``Event`` is built per call.
 
-    Also needed under graph capture: the allocator then defers reusing such a block until
-    the capture ends, so a side stream's read in the graph cannot race a later write.
-    """
-    if stream is None:
-        return
-    for t in tensors:
-        if t.is_cuda:
-            t.record_stream(stream)
+    :meth:`enter` makes the side stream wait for the calling stream and makes it current (it
+    returns the calling stream); :meth:`mark` records the piece's end on the side stream;
+    :meth:`restore` makes the calling stream current again. Pieces never nest, so one piece's
+    ``Side`` is entered once at a time."""
+
+    __slots__ = ("stream", "entered", "done", "_index", "_args", "_previous", "_fallback")
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.entered = torch.cuda.Event()
+        """Recorded on the calling stream at entry; the side stream waits for it."""
+        self.done = torch.cuda.Event()
+        """Recorded on the side stream by :meth:`mark`; readers of the piece's outputs wait for it."""
+        self._index = stream.device_index
+        self._args = (stream.stream_id, stream.device_index, stream.device_type)
+        self._previous: tuple[int, int, int] | None = None
+        self._fallback: Any = None
+
+    def enter(self):
+        key = torch._C._cuda_getCurrentStream(self._index)
+        here = _STREAMS.get(key)
+        if here is None:
+            here = current_stream(torch.device("cuda", self._index))
+        _record(self.entered, here)
+        _wait(self.entered, self.stream)
+        if torch._C._cuda_getDevice() != self._index:  # another device is current: torch's own way
+            self._fallback = torch.cuda.stream(self.stream)
+            self._fallback.__enter__()
+        else:
+            self._previous = key
+            torch._C._cuda_setStream(*self._args)
+        return here
+
+    def mark(self):
+        _record(self.done, self.stream)
+        return self.done
+
+    def restore(self) -> None:
+        if self._fallback is not None:
+            fallback, self._fallback = self._fallback, None
+            fallback.__exit__(None, None, None)
+        else:
+            torch._C._cuda_setStream(*self._previous)  # type: ignore[misc]
+
+
+def side(stream) -> Side | None:
+    """The :class:`Side` of a piece on ``stream`` (None: no side stream, or the CPU)."""
+    return Side(stream) if stream is not None else None
 
 
 def synchronize(device: torch.device) -> None:

@@ -150,6 +150,8 @@ class EraseEngine:
     """ids of parameters whose gradients live in a CUDA graph's pool (never set to None)."""
     _streams: list[Any]
     """The plan's side streams (stream ``i`` of the plan is ``_streams[i - 1]``)."""
+    _stream_done: list[Any]
+    """One event per side stream, recorded again at every step's end for the main stream to wait on."""
 
     # -- the plan at work: runners patched into the model, and their helpers ----------------------
     _patches: Patches
@@ -205,6 +207,7 @@ class EraseEngine:
             broadcast_from_rank0([*model.parameters(), *model.buffers(), *self._head_modules.parameters(),
                                   *self._head_modules.buffers()], process_group)
         self._streams = [dev.new_stream(self.device) for _ in range(plan.num_streams)]
+        self._stream_done = [dev.new_event(self.device) for _ in self._streams]
         self.capture_stream = dev.new_stream(self.device)
         self._join = LazyJoin(self.device) if self.cuda and any(t.stream for t in plan.targets) else None
         self.optimizer = (optimizer or functools.partial(torch.optim.Adam, lr=1e-3))(self.parameters())
@@ -326,28 +329,35 @@ class EraseEngine:
     def _forward_backward(self, inputs: tuple, target: Tensor, dispatch: str, reducer: GradReducer | None) -> Tensor:
         if reducer is not None:
             reducer.begin()
-        state = StepState(target=target, join=self._join, dispatch=dispatch, reducer=self._early_reducer(reducer))
+        join = self._join
+        state = StepState(target=target, join=join, dispatch=dispatch, reducer=self._early_reducer(reducer))
         self.state = state
+        joined = False
         try:
             with torch.enable_grad():
-                with state.join if state.join is not None else contextlib.nullcontext():
+                with join if join is not None else contextlib.nullcontext():
                     out = self.model(*inputs)
-                    main = main_loss(out, target, self.loss_fn, self.output, self.model_loss)
-                    total = main + sum(state.deferred) if state.deferred else main
-                if state.join is not None:
-                    state.join.clear()
+                    main = total = main_loss(out, target, self.loss_fn, self.output, self.model_loss)
+                    for aux in state.deferred:
+                        total = total + aux
                 if state.reducer is not None:
                     state.reducer.poll()
                 check_main_loss(main, self.plan)
                 total.backward()
             self._join_streams()
+            joined = True
             if reducer is not None:
                 reducer.finish()
             self._check_first_step()  # here too: a user's own step calls forward_backward alone
         finally:
             self.state = None
-            if state.join is not None:
-                state.join.clear()
+            if join is not None:
+                join.end_forward()
+                if not joined and not dev.is_capturing(self.device):
+                    dev.synchronize(self.device)  # a step that failed part way: side work may still read what it holds
+                join.release()  # every side stream's work is ordered before the main stream's from here
+        if len(state.deferred) == len(state.aux_values):  # every local loss is in the total already
+            return total.detach()
         loss = main.detach()
         for aux in state.aux_values:
             loss = loss + aux
@@ -368,8 +378,8 @@ class EraseEngine:
         self.drain_workers()
         if self._streams:
             main = dev.current_stream(self.device)
-            for s in self._streams:
-                dev.wait_stream(main, s)
+            for s, done in zip(self._streams, self._stream_done):
+                dev.wait_stream(main, s, done)
 
     def _check_first_step(self) -> None:
         """After the first backward: every parameter the plain model trains was reached."""

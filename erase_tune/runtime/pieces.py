@@ -21,6 +21,7 @@ hands on are joined where first read (:mod:`erase_tune.runtime.join`).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from collections.abc import Callable, Sequence
@@ -99,9 +100,19 @@ def tensors_in(tree: Any) -> list[Tensor]:
 def _detached(tree: Any) -> Any:
     if isinstance(tree, Tensor):
         return tree.detach()
+    if type(tree) is tuple and all(isinstance(x, Tensor) for x in tree):  # the common case: tensors only
+        return tuple(x.detach() for x in tree)
     if isinstance(tree, (tuple, list, dict)):
-        return tree_map(lambda x: x.detach() if isinstance(x, Tensor) else x, tree)
+        return tree_map(lambda x: x.detach() if isinstance(x, Tensor) else x, tree) if tree else tree
     return tree
+
+
+def _grad_on() -> Any:
+    """``torch.enable_grad()``, skipped when grad mode is on already (the engine's steps)."""
+    return _NOTHING if torch.is_grad_enabled() else torch.enable_grad()
+
+
+_NOTHING = contextlib.nullcontext()
 
 
 def _plain(tree: Any) -> Any:
@@ -159,16 +170,28 @@ class Launcher:
 
 def _backward_on(aux: Tensor, stream: Any) -> None:
     # The gradient seed is created on the current stream: make it the cut's stream.
+    if stream is None:
+        aux.backward()
+        return
     with dev.use_stream(stream):
         aux.backward()
 
 
 class _Piece:
-    """What every runner shares: the patched forward of a (run of) module(s)."""
+    """What every runner shares: the patched forward of a (run of) module(s), and the way a
+    piece takes its inputs from other streams and hands its outputs on.
 
-    def __init__(self, host: Host, modules: Sequence[nn.Module]) -> None:
+    For the common piece (tensors in, a tensor or a tuple of tensors out) that is a fixed
+    handful of C-level calls: the side stream entered and left through a
+    :class:`~erase_tune.runtime.device.Side` (two events recorded again every call, no new
+    event or stream objects), no walks of nested structures, and the join's bookkeeping."""
+
+    def __init__(self, host: Host, modules: Sequence[nn.Module], stream: int = 0) -> None:
         self.host = host
         self.modules = list(modules)
+        self.stream = host.side_stream(stream)
+        """The piece's side stream (None: the current stream, or the CPU)."""
+        self.side = dev.side(self.stream)
         # Bound forwards captured before patching: the piece calls these directly.
         self.forwards = [m.forward for m in self.modules]
         # What each module's instance dict held under "forward" (torch.compile's OptimizedModule,
@@ -184,34 +207,45 @@ class _Piece:
     def __deepcopy__(self, memo: dict) -> Any:
         return _unpatched_copy(self.modules[0], self.own_forwards[0], memo)
 
-    def _enter(self, stream: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict, list[Tensor]]:
-        """Order ``stream`` after the work its inputs come from; the inputs, joins stripped."""
-        host = self.host
-        join = host.state.join if host.state is not None else None
-        if join is None:
-            return args, kwargs, []
-        join.pause_depth += 1
+    def _inputs(self, join: LazyJoin, args: tuple, kwargs: dict, on: Any) -> tuple[tuple, dict, list[Tensor]]:
+        """Order stream ``on`` (the piece's) after the side work its inputs come from; the
+        inputs with pending aliases stripped, and the list of input tensors."""
+        pending = False
+        if not kwargs:
+            for a in args:
+                if type(a) is Pending:
+                    pending = True
+                elif not isinstance(a, Tensor):
+                    break
+            else:  # tensors only (the common case): no walk
+                if not pending:
+                    return args, kwargs, list(args)
+                join.pause_depth += 1  # another side piece's output: wait for it, then its plain tensor
+                try:
+                    for a in args:
+                        join.consume_one(a, on)
+                    args = tuple(a.as_subclass(Tensor) if type(a) is Pending else a for a in args)
+                finally:
+                    join.pause_depth -= 1
+                return args, kwargs, list(args)
+        join.pause_depth += 1  # a structure: walk it
         try:
-            here = dev.current_stream(host.device)
-            dev.wait_stream(stream, here)
-            inputs = tensors_in((args, kwargs))
-            join.consume(inputs, stream if stream is not None else here)
+            join.consume(tensors_in((args, kwargs)), on)
             args, kwargs = _plain(args), _plain(kwargs)
-            inputs = tensors_in((args, kwargs))
-            dev.record_stream(iter(inputs), stream, host.device)
         finally:
             join.pause_depth -= 1
-        return args, kwargs, inputs
+        return args, kwargs, tensors_in((args, kwargs))
 
-    def _hand_on(self, out: Any, inputs: list[Tensor], versions: list[int], stream: Any,
-                 extra: Sequence[Tensor] = ()) -> Any:
+    def _hand_on(self, join: LazyJoin, out: Any, inputs: list[Tensor], versions: list[int], done: Any) -> Any:
         """Register the side forward's outputs with the join; what the model gets instead."""
-        join = self.host.state.join  # type: ignore[union-attr]
-        done = dev.record_event(stream)
         # An input the piece wrote in place is, for later readers, an output of the piece.
         written = [t for t, v in zip(inputs, versions) if t._version != v]
+        if isinstance(out, Tensor):
+            return join.add([out], inputs, done, self.stream, written)[0]
+        if type(out) is tuple and all(isinstance(x, Tensor) for x in out):
+            return tuple(join.add(out, inputs, done, self.stream, written))
         outs = tensors_in(out)
-        handed = join.add([*outs, *extra], inputs, done, stream, written)
+        handed = join.add(outs, inputs, done, self.stream, written)
         if not any(h is not t for h, t in zip(handed, outs)):
             return out
         swap = {id(t): h for t, h in zip(outs, handed)}
@@ -223,7 +257,7 @@ class CutRunner(_Piece):
 
     def __init__(self, host: Host, index: int, cut: Cut, modules: Sequence[nn.Module], head: nn.Module,
                  graphed: bool):
-        super().__init__(host, modules)
+        super().__init__(host, modules, cut.stream)
         self.index = index
         self.cut = cut
         self.head = head
@@ -244,33 +278,38 @@ class CutRunner(_Piece):
         host, state = self.host, self.host.state
         if state is None:  # evaluation or inference: the plain model
             return self.chain(args, kwargs)
-        stream = host.side_stream(self.cut.stream)
-        target = state.target
-        args, kwargs, inputs = self._enter(stream, args, kwargs)
-        args, kwargs = _detached(args), _detached(kwargs)
-        if state.join is not None:
-            dev.record_stream(iter([target]), stream, host.device)
-        with dev.use_stream(stream):
+        stream, side, target, join = self.stream, self.side, state.target, state.join
+        here = side.enter() if side is not None else None
+        try:
+            if join is not None:
+                on = stream if stream is not None else dev.current_stream(host.device)
+                args, kwargs, inputs = self._inputs(join, args, kwargs, on)
+                join.hold(target)  # read on the cut's stream
+            args, kwargs = _detached(args), _detached(kwargs)
             replayed = self.graphed and self.calls >= host.graph_warmup
             if replayed:  # the graph ran the local backward too
                 out, aux = self._replay(args, kwargs, target)
             else:
-                with torch.enable_grad():
+                with _grad_on():
                     out = self.chain(args, kwargs)
                     aux = self.local_loss(out, target)
-            out = out.detach()
-            if state.join is not None and stream is not None:
-                done = dev.record_event(stream)  # before the backward is queued behind it
-                handed = state.join.add([out, aux], inputs, done, stream)
-                out, aux_seen = handed[0], handed[1]
-            else:
-                aux_seen = aux
+            out, aux_value = out.detach(), aux.detach()  # (before the join may make aux pending)
+            aux_seen = aux
+            if side is not None and join is not None:
+                done = side.mark()  # before the backward is queued behind it
+                if state.dispatch == "deferred":  # the main stream reads the local loss in the forward
+                    out, aux_seen = join.add([out, aux], inputs, done, stream)
+                else:  # it reads it after the step's streams are joined
+                    (out,) = join.add([out], inputs, done, stream)
             if replayed:
                 host.cut_backward_done(self.index, stream, None)
             else:
                 host.launch_backward(aux if state.dispatch != "deferred" else aux_seen, stream, self.index)
             self.calls += 1
-        state.aux_values.append(aux.detach())
+        finally:
+            if here is not None:
+                side.restore()  # type: ignore[union-attr]
+        state.aux_values.append(aux_value)
         return out
 
     # -- per-cut CUDA graph --------------------------------------------------------------------
@@ -300,7 +339,10 @@ class CutRunner(_Piece):
         for p in self.params:
             p.grad = None  # allocate the grads from the graph's pool: replays overwrite them
         graph = torch.cuda.CUDAGraph()
-        cap = host.capture_stream
+        # Captured on the stream it replays on: graphs captured on one stream share that stream's
+        # cuBLAS workspace, so two cuts' graphs replaying side by side on two streams must not
+        # come from one capture stream (their GEMMs would race on the workspace).
+        cap = self.stream if self.stream is not None else host.capture_stream
         dev.wait_stream(cap, dev.current_stream(host.device))
         try:
             with torch.cuda.graph(graph, stream=cap), torch.enable_grad():
@@ -321,19 +363,23 @@ class PlacedRunner(_Piece):
     """Runs one placement inside a step: the piece's own forward, on its side stream."""
 
     def __init__(self, host: Host, placement: Placement, modules: Sequence[nn.Module]) -> None:
-        super().__init__(host, modules)
+        super().__init__(host, modules, placement.stream)
         self.placement = placement
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        host, state = self.host, self.host.state
-        stream = host.side_stream(self.placement.stream)
-        if state is None or stream is None or state.join is None:  # on the CPU: the plain forward
+        state, side = self.host.state, self.side
+        join = state.join if state is not None else None
+        if join is None or side is None:  # outside a step, or on the CPU: the plain forward
             return self.chain(args, kwargs)
-        args, kwargs, inputs = self._enter(stream, args, kwargs)
-        versions = [t._version for t in inputs]
-        with dev.use_stream(stream):
+        side.enter()
+        try:
+            args, kwargs, inputs = self._inputs(join, args, kwargs, side.stream)
+            versions = [t._version for t in inputs]
             out = self.chain(args, kwargs)
-        return self._hand_on(out, inputs, versions, stream)
+        finally:
+            done = side.mark()
+            side.restore()
+        return self._hand_on(join, out, inputs, versions, done)
 
 
 class GraphedRunner(_Piece):
@@ -346,7 +392,7 @@ class GraphedRunner(_Piece):
     """
 
     def __init__(self, host: Host, graphed: Graphed, modules: Sequence[nn.Module]) -> None:
-        super().__init__(host, modules)
+        super().__init__(host, modules, graphed.stream)
         self.graphed = graphed
         self.calls = 0
         self.replayed: Callable[..., Any] | None = None
@@ -356,17 +402,25 @@ class GraphedRunner(_Piece):
         host, state = self.host, self.host.state
         if state is None or not host.cuda:
             return self.chain(args, kwargs)
-        stream = host.side_stream(self.graphed.stream)
-        placed = stream is not None and state.join is not None
-        args, kwargs, inputs = self._enter(stream, args, kwargs)  # waits for pending inputs, strips them
-        versions = [t._version for t in inputs] if placed else []
-        with dev.use_stream(stream):
-            if self.calls < host.graph_warmup:
-                out = self.chain(args, kwargs)
-            else:
-                out = self._replay(args, kwargs)
+        side, join = self.side, state.join
+        if side is None or join is None:  # on the main stream: wait for pending inputs, strip them
+            if join is not None:
+                args, kwargs, _ = self._inputs(join, args, kwargs, dev.current_stream(host.device))
+            return self._run(args, kwargs)
+        side.enter()
+        try:
+            args, kwargs, inputs = self._inputs(join, args, kwargs, side.stream)
+            versions = [t._version for t in inputs]
+            out = self._run(args, kwargs)
+        finally:
+            done = side.mark()
+            side.restore()
+        return self._hand_on(join, out, inputs, versions, done)
+
+    def _run(self, args: tuple, kwargs: dict) -> Any:
+        out = self.chain(args, kwargs) if self.calls < self.host.graph_warmup else self._replay(args, kwargs)
         self.calls += 1
-        return self._hand_on(out, inputs, versions, stream) if placed else out
+        return out
 
     def _replay(self, args: tuple, kwargs: dict) -> Any:
         name = shown(self.graphed.name)
@@ -390,7 +444,8 @@ class GraphedRunner(_Piece):
         try:
             sample = tuple(a.detach().clone().requires_grad_(a.requires_grad) for a in args)
             piece = _Chain(self.modules, self.forwards)
-            self.replayed = torch.cuda.make_graphed_callables(piece, sample, allow_unused_input=True)
+            with _capture_stream(self.stream):
+                self.replayed = torch.cuda.make_graphed_callables(piece, sample, allow_unused_input=True)
         except (RuntimeError, AssertionError, torch.cuda.CudaError) as e:  # type: ignore[attr-defined]
             raise CaptureError(f"graphed piece {shown(self.graphed.name)}: CUDA graph capture failed: "
                                f"{one_line(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)}"
@@ -399,6 +454,23 @@ class GraphedRunner(_Piece):
             if join is not None:
                 join.pause_depth -= 1
         self.signature = sig
+
+
+@contextlib.contextmanager
+def _capture_stream(stream: Any) -> Any:
+    """``make_graphed_callables`` captures on ``torch.cuda.graph``'s one default stream, so every
+    piece captured by it shares that stream's cuBLAS workspace: a piece that replays on a side
+    stream, beside others, is captured on that side stream instead (None: the default)."""
+    cls = torch.cuda.graph
+    if stream is None or not hasattr(cls, "default_capture_stream"):
+        yield
+        return
+    saved = cls.default_capture_stream
+    cls.default_capture_stream = stream
+    try:
+        yield
+    finally:
+        cls.default_capture_stream = saved
 
 
 class _Chain(nn.Module):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import weakref
 
 import pytest
 import torch
@@ -188,3 +189,28 @@ def test_gradients_flow_through_a_pending_alias():
         (y,) = join.add([x * 2], [], done=None, stream=None)
         (y * 3).sum().backward()
     assert torch.equal(x.grad, torch.full((3,), 6.0))
+
+
+def test_a_pending_alias_is_plain_once_the_forwards_stream_waited_for_it():
+    join = LazyJoin(torch.device("cpu"), guarded=False)
+    x = torch.ones(4)
+    with join:
+        (y,) = join.add([x * 2], [x], done=None, stream=None)
+        assert type(y) is Pending
+        a = y + 1  # the forward's own stream reads it: joined, and the alias is a plain tensor from now on
+        assert type(y) is torch.Tensor
+        b = y * 2
+    assert join.joins == 1 and torch.equal(a, torch.full((4,), 3.0)) and torch.equal(b, torch.full((4,), 4.0))
+
+
+def test_what_crossed_streams_is_held_until_release():
+    join = LazyJoin(torch.device("cpu"), guarded=False)
+    x = torch.ones(4)
+    with join:
+        (y,) = join.add([x * 2], [x], done=None, stream=None)
+    seen_x, seen_y = weakref.ref(x), weakref.ref(y)
+    del x, y
+    join.end_forward()  # the forward's bookkeeping is gone, its tensors are not: side work may still read them
+    assert seen_x() is not None and seen_y() is not None
+    join.release()
+    assert seen_x() is None and seen_y() is None

@@ -61,6 +61,30 @@ def test_a_write_waits_for_side_readers():
     assert bool((y == 2).all())
 
 
+def test_memory_a_side_stream_reads_is_not_reused_before_release():
+    join = LazyJoin(CUDA, guarded=False)
+    with join:
+        x = torch.ones(1 << 20, device=CUDA)
+        y, _ = _side_product(join, x)  # the side stream sleeps, then reads x
+        block = x.data_ptr()
+        del x  # the model lets go of it: were it freed, the next allocation of its size would take it
+        z = torch.full((1 << 20,), 5.0, device=CUDA)
+        assert z.data_ptr() != block
+    join.end_forward()
+    torch.cuda.synchronize()
+    join.release()
+    assert bool((y == 2).all())
+
+
+def test_the_runtime_s_streams_are_the_objects_current_stream_returns():
+    from erase_tune.runtime import device as dev
+
+    side = dev.new_stream(CUDA)
+    with dev.use_stream(side):
+        assert dev.current_stream(CUDA) is side
+    assert dev.current_stream(CUDA) is dev.current_stream(CUDA)
+
+
 class Sleepy(nn.Module):
     """A piece that starts late on its stream: a consumer that does not wait reads garbage."""
 
