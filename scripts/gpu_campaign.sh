@@ -18,9 +18,9 @@
 #       plans d and e exported (docs/results/h200-2026-12-01/best_ctr*_graph.yaml);
 #   h   the host cost on dlrm at batch 4096 (issue 16): the host-CPU GPU test, the reference GPU tests,
 #       scripts/host_table.py with its host-CPU pass (waits left out), `erase-tune bench` on dlrm;
-#   h5  the runtime GPU tests, the attribution (with an A/A pair) and the host table (with the plain
-#       loop twice, a side stream by hand, a blocking cut's head by hand), longer: run on branch
-#       lean-join for docs/benchmarks.md 00.7;
+#   h5  the runtime GPU tests, the per-cut-graph drift check, the attribution of a placement and of
+#       a blocking cut (each with an A/A pair) and the host table (with the plain loop twice, a side
+#       stream by hand, a blocking cut's head by hand), longer (docs/benchmarks.md 00.7, 00.8);
 #   n   the NE gap's evidence (scripts/ne_evidence.py): the noise floor of every shipped space (gpt
 #       in bf16 and float32) and the rank agreement of search and confirmed NE gaps over 12 plans.
 # On two H200s (nvidia-h200-x2):
@@ -175,8 +175,11 @@ case $phase in
   h5)  # GPU tests, attribution with an A/A pair, the host table with its by-hand rows (00.7)
     step gputests 170 0 $py -m pytest -q -m gpu tests/runtime tests/measure tests/workloads/test_dlrm.py \
       tests/test_reference_gpu.py tests/tune/test_reference_gpu.py -p no:cacheprovider
+    step drift 120 0 $py scripts/per_cut_graph_drift.py
     step host_profile 80 0 $py scripts/host_profile.py --workload dlrm --arg batch=4096 --arg train_batches=64 \
       --arg eval_batches=2 --device cuda --steps 60 --rounds 1000
+    step host_profile_cut 80 0 $py scripts/host_profile.py --workload dlrm --arg batch=4096 --arg train_batches=64 \
+      --arg eval_batches=2 --device cuda --steps 60 --rounds 1000 --cut bot_l
     step host_table 200 0 $py scripts/host_table.py --workload dlrm --arg batch=4096 --arg train_batches=64 \
       --arg eval_batches=2 --device cuda --windows 4 --window-steps 30 --cpu-windows 600 --cpu-window-steps 1 \
       --out "$work/host_cpu_dlrm4096_lean.json"
