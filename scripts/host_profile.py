@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from erase_tune.measure.hostcpu import blocking_sync, host_cpu_interleaved, host_tax  # noqa: E402
+from erase_tune.measure.timing import ORDERS  # noqa: E402
 from erase_tune.runtime import Cut, ErasePlan, Placement  # noqa: E402
 from erase_tune.runtime.device import resolve_device  # noqa: E402
 from erase_tune.trial import GRAPH_WARMUP, Variant, build_engine  # noqa: E402
@@ -44,6 +45,7 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--module", default="auto", help="the placed module (auto: the model's last leaf)")
     ap.add_argument("--cut", default=None, help="profile a blocking cut of this module against its work done by hand")
+    ap.add_argument("--order", choices=ORDERS, default="rotate", help="runners' order in each round of the attribution")
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--rounds", type=int, default=300, help="rounds of the attribution pass (0: none)")
     a = ap.parse_args()
@@ -87,7 +89,7 @@ def main() -> None:
             stats[name] = pstats.Stats(prof).stats  # (file, line, fn) -> (cc, nc, tt, ct, callers)
     print(how)
     if a.rounds:
-        attribute(variants, device, a.rounds, again())
+        attribute(variants, device, a.rounds, again(), a.order)
     (ea, eb) = stats.values()
     keys = set(ea) | set(eb)
 
@@ -105,7 +107,7 @@ def main() -> None:
               f"{sum(v[1] for v in st.values()) / a.steps:.0f} calls/step")
 
 
-def attribute(variants: dict, device, rounds: int, again) -> None:
+def attribute(variants: dict, device, rounds: int, again, order: str) -> None:
     """CPU µs/step over the base (the first variant), the variants alternating step by step: the
     other variant, and ``again``, a second copy of the base over the same model and data (an A/A pair)."""
     (base, first), (name, other) = variants.items()
@@ -113,8 +115,8 @@ def attribute(variants: dict, device, rounds: int, again) -> None:
         again(i)
     runners = {base: first, name: other, f"{base}, a second copy (A/A)": again}
     cpu = host_cpu_interleaved(runners, device=device, warmup_steps=2, windows=rounds, window_steps=1,
-                               start_step=10_000)
-    print(f"attribution: CPU µs/step, {rounds} rounds alternating step by step; tax = median of the difference "
+                               start_step=10_000, order=order)
+    print(f"attribution: CPU µs/step, {rounds} rounds alternating step by step ({cpu.how}); tax = median of the difference "
           f"to the {base} in the same round")
     for name in runners:
         m, lo, hi = host_tax(cpu, name, base)

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from erase_tune.measure import provenance, ratio_spread, time_interleaved  # noqa: E402
 from erase_tune.measure.hostcpu import host_cpu_interleaved, host_tax  # noqa: E402
+from erase_tune.measure.timing import ORDERS  # noqa: E402
 from erase_tune.runtime import Cut, ErasePlan, Graphed, Placement  # noqa: E402
 from erase_tune.runtime.device import resolve_device  # noqa: E402
 from erase_tune.trial import GRAPH_WARMUP, Variant, build_engine, jsonable_args  # noqa: E402
@@ -111,6 +112,9 @@ def main() -> None:
     ap.add_argument("--negligible", default="auto",
                     help="a module whose work is negligible, placed on a side stream (auto: the last leaf of the model)")
     ap.add_argument("--cpu-windows", type=int, default=400, help="rounds of the host-CPU pass (0: none)")
+    ap.add_argument("--cpu-order", choices=ORDERS, default="rotate",
+                    help="runners' order in each round of the CPU pass (rotated: a runner nearly always follows the "
+                         "same one; shuffled: a fresh seeded order per round)")
     ap.add_argument("--cpu-window-steps", type=int, default=1,
                     help="steps per variant per round of the host-CPU pass (default 1: the variants alternate "
                          "step by step, so drift between windows cancels)")
@@ -158,7 +162,7 @@ def main() -> None:
     cpu = None
     if a.cpu_windows:
         cpu = host_cpu_interleaved(runners, device=device, warmup_steps=2, windows=a.cpu_windows,
-                                   window_steps=a.cpu_window_steps, start_step=t.next_step)
+                                   window_steps=a.cpu_window_steps, start_step=t.next_step, order=a.cpu_order)
     plain = t.variants["plain loop"]
     batch = workload.batch_size
     rows = []

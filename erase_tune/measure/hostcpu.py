@@ -134,11 +134,12 @@ def blocking_sync(device: torch.device) -> Iterator[tuple[bool, str]]:
 
 
 def host_cpu_interleaved(runners: Mapping[str, StepRunner], *, device: torch.device, warmup_steps: int,
-                         windows: int, window_steps: int, start_step: int = 0) -> HostCpu:
-    """Every runner's process CPU time per step, window by window, in the rotating order of
+                         windows: int, window_steps: int, start_step: int = 0, order: str = "rotate") -> HostCpu:
+    """Every runner's process CPU time per step, window by window, in the rounds of
     :func:`erase_tune.measure.time_interleaved` (which see for ``start_step`` and the step
-    indices), under :func:`blocking_sync`. Each window ends with a device sync, so a window's
-    CPU time holds all of its own steps' host work and none of the next variant's."""
+    indices; ``order`` as in :func:`erase_tune.measure.timing.interleave`), under
+    :func:`blocking_sync`. Each window ends with a device sync, so a window's CPU time holds all
+    of its own steps' host work and none of the next variant's."""
     if not runners:
         raise ValueError("runners: need at least one runner to measure")
     device = torch.device(device)
@@ -160,6 +161,7 @@ def host_cpu_interleaved(runners: Mapping[str, StepRunner], *, device: torch.dev
 
     with blocking_sync(device) as (excluded, how):
         out, _ = interleave(runners, window, device=device, warmup_steps=warmup_steps, windows=windows,
-                            window_steps=window_steps, start_step=start_step)
+                            window_steps=window_steps, start_step=start_step, order=order)
     return HostCpu(per_window={n: tuple(v) for n, v in out.items()},
-                   main_thread_per_window={n: tuple(v) for n, v in thread.items()}, waits_excluded=excluded, how=how)
+                   main_thread_per_window={n: tuple(v) for n, v in thread.items()}, waits_excluded=excluded,
+                   how=f"{how}; runners {'shuffled' if order == 'shuffle' else 'rotated'} from round to round")

@@ -21,6 +21,7 @@ it dispatched to), so that work recorded after it is ordered behind all of its w
 from __future__ import annotations
 
 import dataclasses
+import random
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -126,12 +127,25 @@ WindowMeasure = Callable[[StepRunner, int, int, torch.device], list[float]]
 """``(runner, first step index, steps, device) -> samples``: runs one window and measures it."""
 
 
+ORDERS = ("rotate", "shuffle")
+"""How :func:`interleave` orders the runners within a round: ``rotate`` (round ``r`` rotated left
+by ``r``), or ``shuffle`` (a fresh order per round, drawn from a fixed seed)."""
+
+
 def interleave(runners: Mapping[str, StepRunner], window: WindowMeasure, *, device: torch.device,
                warmup_steps: int, windows: int, window_steps: int,
-               start_step: int = 0) -> tuple[dict[str, list[float]], dict[str, list[int]]]:
+               start_step: int = 0, order: str = "rotate") -> tuple[dict[str, list[float]], dict[str, list[int]]]:
     """The schedule of :func:`time_interleaved` with any window measurement: warm-up, a device
-    sync, then ``windows`` rotating rounds. Returns each runner's samples and, per sample, its round."""
+    sync, then ``windows`` rounds. Returns each runner's samples and, per sample, its round.
+
+    Rotation keeps each runner's predecessor fixed (with three or more runners, ``B`` follows
+    ``A`` in every round but one). Where what a runner costs depends on the one before it, as
+    host CPU time per single step can, ``order="shuffle"`` gives every runner every predecessor
+    about equally often, in the same order at every call."""
+    if order not in ORDERS:
+        raise ValueError(f"order: {order!r} is not one of {', '.join(ORDERS)}")
     names = list(runners)
+    rng = random.Random(0)
     next_index = {name: start_step for name in names}
     samples: dict[str, list[float]] = {name: [] for name in names}
     labels: dict[str, list[int]] = {name: [] for name in names}
@@ -143,7 +157,10 @@ def interleave(runners: Mapping[str, StepRunner], window: WindowMeasure, *, devi
     _synchronize(device)
     for round_index in range(windows):
         shift = round_index % len(names)
-        for name in names[shift:] + names[:shift]:
+        ordered = names[shift:] + names[:shift]
+        if order == "shuffle":
+            rng.shuffle(ordered)
+        for name in ordered:
             first = next_index[name]
             got = window(runners[name], first, window_steps, device)
             next_index[name] = first + window_steps

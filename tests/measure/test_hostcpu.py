@@ -33,7 +33,7 @@ def test_more_host_work_reads_as_a_tax_and_sleeping_does_not():
     slept, _, _ = host_tax(cpu, "sleep", "base")
     assert abs(slept) < 1000  # 2 ms asleep per step costs no CPU time (well under 1 ms of it)
     assert [i for _, i in calls] == list(range(7, 7 + 1 + 4 * 5))  # the step indices run on, as in timing
-    assert cpu.waits_excluded and cpu.to_dict()["how"] == "cpu: no device waits"
+    assert cpu.waits_excluded and cpu.to_dict()["how"] == "cpu: no device waits; runners rotated from round to round"
 
 
 def test_no_runners_is_refused():

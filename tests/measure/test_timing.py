@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from erase_tune.measure import Timings, time_interleaved
+from erase_tune.measure.timing import interleave
 
 
 def _recording_runners(names, calls):
@@ -109,3 +110,32 @@ def test_cuda_events_time_device_work_not_host_launches():
     assert idle[len(idle) // 2] < spin[0] / 5
     # The per-step samples tile each window's device time, so they cannot exceed wall time.
     assert sum(spin) <= elapsed
+
+
+def _schedule(names, order, windows):
+    calls = []
+    runners = _recording_runners(names, calls)
+
+    def window(step, first, count, device):
+        return [float(step(first + k) is None) for k in range(count)]
+
+    interleave(runners, window, device=torch.device("cpu"), warmup_steps=0, windows=windows, window_steps=1, order=order)
+    return [calls[i:i + len(names)] for i in range(0, len(calls), len(names))]
+
+
+def test_shuffled_rounds_give_every_runner_every_predecessor_where_rotation_gives_one():
+    rounds = _schedule("ABCD", "shuffle", 200)
+    assert all(sorted(n for n, _ in r) == list("ABCD") for r in rounds)
+    for name in "ABCD":  # every runner still sees the same batch sequence
+        assert [i for r in rounds for n, i in r if n == name] == list(range(200))
+    before = {(r[k - 1][0], r[k][0]) for r in rounds for k in range(1, 4)}
+    counts = {pair: sum((r[k - 1][0], r[k][0]) == pair for r in rounds for k in range(1, 4)) for pair in before}
+    assert len(before) == 12 and min(counts.values()) >= 25  # all 4 x 3 ordered pairs, about 50 each
+    assert _schedule("ABCD", "shuffle", 200) == rounds  # the same order at every call
+    rotated = _schedule("ABCD", "rotate", 200)
+    assert {r[k - 1][0] for r in rotated for k in range(1, 4) if r[k][0] == "B"} == {"A"}
+
+
+def test_rejects_an_unknown_order():
+    with pytest.raises(ValueError, match="order: 'random' is not one of rotate, shuffle"):
+        _schedule("AB", "random", 1)
