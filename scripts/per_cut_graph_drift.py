@@ -1,8 +1,7 @@
 """Per-cut graphs against blocking on the small ctr workload (three cuts on streams 1, 2, 1):
-the weights after 12 steps, relative drift, three repetitions, then with one change at a time
-(A: a device sync before the join lets go; B: fresh events; C: a sync after each cut; D: aliases
-instead of the class swap; E: record_stream of inputs; F/G: a sync after / before replayed cuts).
-Exact (0.0) is right; see the lean-join note in docs/benchmarks.md.
+the weights after 12 steps, relative drift, three repetitions, with one change at a time (D:
+aliases instead of the class swap; E: record_stream of inputs; F/G: a sync after / before
+replayed cuts), then as shipped. Exact (0.0) is right; see docs/benchmarks.md 00.7 and 00.8.
 
     PYTHONPATH=. python3 scripts/per_cut_graph_drift.py
 """
@@ -10,7 +9,7 @@ import copy, sys, torch
 sys.path.insert(0, ".")
 from tests.runtime.test_workloads_gpu import _plans, _ctr_cuts, SMALL
 from erase_tune import EraseEngine
-from erase_tune.runtime import device as dev, join as joinmod, pieces as pc
+from erase_tune.runtime import join as joinmod, pieces as pc
 from erase_tune.workloads import get_workload
 name = "ctr"
 workload = get_workload(name, SMALL[name]); cuda = torch.device("cuda")
