@@ -88,6 +88,7 @@ def main() -> None:
             prof.disable()
             stats[name] = pstats.Stats(prof).stats  # (file, line, fn) -> (cc, nc, tt, ct, callers)
     print(how)
+    calls(variants, device, steps=10)
     if a.rounds:
         attribute(variants, device, a.rounds, again(), a.order)
     (ea, eb) = stats.values()
@@ -105,6 +106,29 @@ def main() -> None:
     for name, st in stats.items():
         print(f"{name}: {sum(v[2] for v in st.values()) / a.steps * 1e6:.0f} µs/step profiled, "
               f"{sum(v[1] for v in st.values()) / a.steps:.0f} calls/step")
+
+
+def calls(variants: dict, device, steps: int) -> None:
+    """What the second variant calls per step that the first does not, counted by torch's profiler
+    over ``steps`` steps each: torch operators and, on CUDA, the CUDA runtime calls (launches,
+    event records and waits, allocations). Counts, not times: exact where cProfile's times are not."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    counted = []
+    for v in variants.values():
+        with profile(activities=activities) as prof:
+            for i in range(steps):
+                v(20_000 + i)
+            torch.cuda.synchronize(device) if device.type == "cuda" else None
+        counted.append({e.key: (e.count, e.self_cpu_time_total) for e in prof.key_averages()})
+    base, other = counted
+    names = list(variants)
+    rows = sorted(((other.get(k, (0, 0))[0] - base.get(k, (0, 0))[0]) / steps, k) for k in set(base) | set(other))
+    print(f"calls per step, {names[1]} against {names[0]} (torch profiler, {steps} steps each): the differences")
+    for diff, k in sorted(rows, key=lambda r: -abs(r[0])):
+        if diff:
+            print(f"  {k[:70]:<70} {base.get(k, (0, 0))[0] / steps:>7.1f} -> {other.get(k, (0, 0))[0] / steps:>7.1f}")
 
 
 def attribute(variants: dict, device, rounds: int, again, order: str) -> None:
