@@ -71,6 +71,8 @@ from erase_tune.runtime.plan import ErasePlan
 from erase_tune.runtime.probe import FirstStepCheck
 from erase_tune.runtime.reduce import GradReducer, broadcast_from_rank0, plan_reducer, refuse_sparse
 
+_NOTHING = contextlib.nullcontext()  # (reusable: no context to enter without a join)
+
 __all__ = ["EraseEngine", "LinearHead"]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -229,16 +231,19 @@ class EraseEngine:
         """One training step (zero grads, forward, early + main backward, optimizer). Returns
         the detached total loss ``L_main + Σ λ_i ℓ_i`` as a device tensor (no CPU sync)."""
         inputs = as_tuple(inputs)
-        with torch.enable_grad():
-            if self._graph is not None:
-                return self._graph.step(inputs, target)
-            return self.eager_step(inputs, target)
+        if not torch.is_grad_enabled():
+            with torch.enable_grad():
+                return self.step(inputs, target)
+        if self._graph is not None:
+            return self._graph.step(inputs, target)
+        return self.eager_step(inputs, target)
 
     def eager_step(self, inputs: tuple, target: Tensor, dispatch: str | None = None) -> Tensor:
         """One step without a whole-step graph (also the graph's warm-up steps)."""
         self.zero_grad()
         loss = self._forward_backward(inputs, target, dispatch or self.plan.dispatch, self._reducer)
-        self._check_first_step()
+        if not self._steps:
+            self._check_first_step()
         self.optimizer_step()
         self._steps += 1
         return loss
@@ -275,8 +280,14 @@ class EraseEngine:
         mode = self.state.dispatch if self.state is not None else self.plan.dispatch
         if mode == "deferred":
             self.state.deferred.append(aux)  # type: ignore[union-attr]  # its reduction waits for the main backward
+            return
+        if mode == "blocking" and stream is None:  # the common case, without the launcher's calls
+            aux.backward()
+            future = None
         else:
-            self.cut_backward_done(index, stream, self._launcher.launch(aux, stream, threaded=mode == "threaded"))
+            future = self._launcher.launch(aux, stream, threaded=mode == "threaded")
+        if self.state is not None and self.state.reducer is not None:
+            self.state.reducer.launched(index, stream, future)
 
     def cut_backward_done(self, index: int, stream: Any, future: Future | None) -> None:
         """Cut ``index``'s local backward is queued (or, with ``future``, will be): under a process
@@ -288,6 +299,10 @@ class EraseEngine:
 
     def zero_grad(self) -> None:
         owned = self.graph_owned
+        if not owned:
+            for p in self._params:
+                p.grad = None
+            return
         for p in self._params:
             if id(p) not in owned:
                 p.grad = None
@@ -330,25 +345,28 @@ class EraseEngine:
         if reducer is not None:
             reducer.begin()
         join = self._join
-        state = StepState(target=target, join=join, dispatch=dispatch, reducer=self._early_reducer(reducer))
+        state = StepState(target=target, join=join, dispatch=dispatch,
+                          reducer=self._early_reducer(reducer) if reducer is not None else None)
         self.state = state
         joined = False
         try:
             with torch.enable_grad():
-                with join if join is not None else contextlib.nullcontext():
+                with join if join is not None else _NOTHING:
                     out = self.model(*inputs)
                     main = total = main_loss(out, target, self.loss_fn, self.output, self.model_loss)
                     for aux in state.deferred:
                         total = total + aux
                 if state.reducer is not None:
                     state.reducer.poll()
-                check_main_loss(main, self.plan)
+                if not getattr(main, "requires_grad", False):
+                    check_main_loss(main, self.plan)
                 total.backward()
             self._join_streams()
             joined = True
             if reducer is not None:
                 reducer.finish()
-            self._check_first_step()  # here too: a user's own step calls forward_backward alone
+            if not self._steps:  # here too: a user's own step calls forward_backward alone
+                self._check_first_step()
         finally:
             self.state = None
             if join is not None:
@@ -375,7 +393,7 @@ class EraseEngine:
 
     def _join_streams(self) -> None:
         # Kernels must be queued before wait_stream records its event: drain the workers first.
-        self.drain_workers()
+        self._launcher.drain()
         if self._streams:
             main = dev.current_stream(self.device)
             for s, done in zip(self._streams, self._stream_done):

@@ -100,19 +100,17 @@ def tensors_in(tree: Any) -> list[Tensor]:
 def _detached(tree: Any) -> Any:
     if isinstance(tree, Tensor):
         return tree.detach()
-    if type(tree) is tuple and all(isinstance(x, Tensor) for x in tree):  # the common case: tensors only
-        return tuple(x.detach() for x in tree)
+    if type(tree) is tuple:  # the common case, tensors only: no generator frames
+        out = []
+        for x in tree:
+            if not isinstance(x, Tensor):
+                break
+            out.append(x.detach())
+        else:
+            return tuple(out)
     if isinstance(tree, (tuple, list, dict)):
         return tree_map(lambda x: x.detach() if isinstance(x, Tensor) else x, tree) if tree else tree
     return tree
-
-
-def _grad_on() -> Any:
-    """``torch.enable_grad()``, skipped when grad mode is on already (the engine's steps)."""
-    return _NOTHING if torch.is_grad_enabled() else torch.enable_grad()
-
-
-_NOTHING = contextlib.nullcontext()
 
 
 def _plain(tree: Any) -> Any:
@@ -151,6 +149,8 @@ class Launcher:
 
     def drain(self) -> None:
         """Wait until the worker has queued every backward it was given (re-raising its errors)."""
+        if not self._pending:
+            return
         pending, self._pending = self._pending, []
         for f in pending:
             f.result()  # re-raises a worker's exception in the training thread
@@ -285,12 +285,17 @@ class CutRunner(_Piece):
                 on = stream if stream is not None else dev.current_stream(host.device)
                 args, kwargs, inputs = self._inputs(join, args, kwargs, on)
                 join.hold(target)  # read on the cut's stream
-            args, kwargs = _detached(args), _detached(kwargs)
+            args = _detached(args)
+            if kwargs:
+                kwargs = _detached(kwargs)
             replayed = self.graphed and self.calls >= host.graph_warmup
             if replayed:  # the graph ran the local backward too
                 out, aux = self._replay(args, kwargs, target)
+            elif torch.is_grad_enabled():  # (the engine's steps)
+                out = self.chain(args, kwargs)
+                aux = self.local_loss(out, target)
             else:
-                with _grad_on():
+                with torch.enable_grad():
                     out = self.chain(args, kwargs)
                     aux = self.local_loss(out, target)
             out, aux_value = out.detach(), aux.detach()  # (before the join may make aux pending)
