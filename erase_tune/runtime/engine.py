@@ -286,8 +286,7 @@ class EraseEngine:
             future = None
         else:
             future = self._launcher.launch(aux, stream, threaded=mode == "threaded")
-        if self.state is not None and self.state.reducer is not None:
-            self.state.reducer.launched(index, stream, future)
+        self.cut_backward_done(index, stream, future)
 
     def cut_backward_done(self, index: int, stream: Any, future: Future | None) -> None:
         """Cut ``index``'s local backward is queued (or, with ``future``, will be): under a process
