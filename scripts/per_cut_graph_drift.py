@@ -5,28 +5,12 @@ replayed cuts), then as shipped. Exact (0.0) is right; see docs/benchmarks.md 00
 
     PYTHONPATH=. python3 scripts/per_cut_graph_drift.py
 """
-import copy, sys, torch
+import sys, torch
 sys.path.insert(0, ".")
-from tests.runtime.test_workloads_gpu import _plans, _ctr_cuts, SMALL
-from erase_tune import EraseEngine
+from tests.runtime.test_workloads_gpu import two_stream_cuts
 from erase_tune.runtime import join as joinmod, pieces as pc
-from erase_tune.workloads import get_workload
-name = "ctr"
-workload = get_workload(name, SMALL[name]); cuda = torch.device("cuda")
-data = workload.make_data(cuda); init = workload.build_model()
-pieces = _ctr_cuts(workload, copy.deepcopy(init).to(cuda), data.batch(0))
-plans = _plans(pieces, "cuts")
 
-def run(plan):
-    torch.manual_seed(0)
-    model = copy.deepcopy(init).to(cuda)
-    engine = EraseEngine(model, plan, loss_fn=workload.loss_fn, optimizer=workload.optimizer,
-                         example=data.batch(0), make_head=workload.make_head)
-    for i in range(12):
-        float(engine.step(*data.batch(i)))
-    engine.close()
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
-
+plans, run = two_stream_cuts()
 ref = run(plans["blocking"])
 def drift(tag):
     out = []

@@ -298,12 +298,8 @@ class EraseEngine:
 
     def zero_grad(self) -> None:
         owned = self.graph_owned
-        if not owned:
-            for p in self._params:
-                p.grad = None
-            return
         for p in self._params:
-            if id(p) not in owned:
+            if not owned or id(p) not in owned:  # (no id lookup while no graph owns a gradient)
                 p.grad = None
 
     def optimizer_step(self) -> None:

@@ -101,16 +101,15 @@ def test_workload_trains_under_every_mode(name, kind):
         assert rel < 1e-3, f"{name}/{kind}: {mode} drifted from blocking by {rel:.2e}"
 
 
-def test_per_cut_graphs_on_two_streams_replay_exactly_like_blocking():
-    """Three cuts on streams 1, 2, 1, each with its own CUDA graph, replayed side by side: the same
-    weights as blocking, exactly, three times over (graphs captured on one stream share its cuBLAS
-    workspace; two of them replaying at once on two streams would race on it)."""
+def two_stream_cuts():
+    """The small ctr workload with three cuts on streams 1, 2, 1: its plans (``_plans(..., "cuts")``)
+    and ``weights(plan)``, every weight after 12 steps from the same start, each step waited for
+    (also the drift script's set-up: scripts/per_cut_graph_drift.py)."""
     workload = get_workload("ctr", SMALL["ctr"])
     dev = torch.device("cuda")
     data = workload.make_data(dev)
     init = workload.build_model()
     pieces = _ctr_cuts(workload, copy.deepcopy(init).to(dev), data.batch(0))
-    plans = _plans(pieces, "cuts")
 
     def weights(plan):
         torch.manual_seed(0)
@@ -122,6 +121,14 @@ def test_per_cut_graphs_on_two_streams_replay_exactly_like_blocking():
         engine.close()
         return torch.cat([p.detach().flatten() for p in model.parameters()])
 
+    return _plans(pieces, "cuts"), weights
+
+
+def test_per_cut_graphs_on_two_streams_replay_exactly_like_blocking():
+    """Three cuts on streams 1, 2, 1, each with its own CUDA graph, replayed side by side: the same
+    weights as blocking, exactly, three times over (graphs captured on one stream share its cuBLAS
+    workspace; two of them replaying at once on two streams would race on it)."""
+    plans, weights = two_stream_cuts()
     ref = weights(plans["blocking"])
     for _ in range(3):
         assert torch.equal(weights(plans["per-cut graphs"]), ref)
