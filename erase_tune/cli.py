@@ -171,7 +171,7 @@ def cmd_start(ns: argparse.Namespace) -> int:
     summary = start_job(
         ns.space,
         what=JobSpec(study_name=ns.study, trials=ns.trials, confirm_windows=0 if ns.no_confirm else ns.repeats,
-                     quality_scale=ns.quality_scale, quality_seeds=ns.quality_seeds),
+                     quality_scale=ns.quality_scale, quality_seeds=ns.quality_seeds, time_budget_s=ns.time_budget),
         where=Where(storage=ns.storage, ray_address=ns.ray_address, slots=ns.slots, working_dir=ns.working_dir,
                     py_modules=ns.py_module),
         patience=Patience(gpu_wait_s=ns.gpu_wait, grace_period_s=ns.grace_period),

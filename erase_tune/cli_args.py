@@ -30,6 +30,23 @@ def one_line(message: object) -> str:
 
 # -- options -----------------------------------------------------------------------------
 
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def duration_arg(text: str) -> float:
+    """``90``, ``90s``, ``10m``, ``1.5h``, ``1d``: seconds (argparse turns a ValueError into one line)."""
+    t = text.strip().lower()
+    unit = _UNITS.get(t[-1:], None) if t else None
+    number = t[:-1] if unit is not None else t
+    try:
+        value = float(number) * (unit or 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration (e.g. 90s, 10m, 1h)") from None
+    if not 1 <= value <= 7 * 86400:  # also refuses nan and inf
+        raise argparse.ArgumentTypeError(f"{text!r} must be between 1s and 7d")
+    return value
+
+
 
 def _add_workload(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", required=True, help="ctr, gpt, mlp, dlrm, or package.module:factory")
@@ -107,8 +124,12 @@ def start_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grace-period", type=int, default=60, metavar="SECONDS",
                    help="a running trial whose driver sent no heartbeat for this long is failed (default 60)")
     p.add_argument("--repeats", type=int, default=5, metavar="K",
-                   help="windows of the confirming re-measurement of the front at the end (default 5)")
+                   help="least windows of the confirming re-measurement of the front at the end (default 5; each "
+                        "plan is measured until its gain is known to ±2%% or 40 windows)")
     p.add_argument("--no-confirm", action="store_true", help="skip the confirmation at the end")
+    p.add_argument("--time-budget", type=duration_arg, metavar="DURATION",
+                   help="bound the whole job, confirmation included (e.g. 90s, 10m, 1h): no trial starts that "
+                        "would end past it, and the confirmation takes what is left")
     _quality(p)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
 
@@ -126,7 +147,8 @@ def export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-ne-gap", type=float, help="NE-gap budget (default: the job's)")
     p.add_argument("--pick", default="max-gain", choices=["max-gain", "knee"])
     p.add_argument("--repeats", type=int, default=5, metavar="K",
-                   help="windows of the confirming re-measurement (default 5; an earlier one with >= K is reused)")
+                   help="least windows of the confirming re-measurement (default 5; an earlier one with >= K is "
+                        "reused; each plan is measured until its gain is known to ±2%% or 40 windows)")
     p.add_argument("--force", action="store_true", help="write the best plan even if no gain (or no quality) is "
                                                         "confirmed")
     _quality(p)

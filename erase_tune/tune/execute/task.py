@@ -5,10 +5,11 @@ This is the seam between the service and the library: a Ray actor (or anything e
 :func:`erase_tune.trial.run_trial` and turns every way a trial can go wrong into a
 :class:`~erase_tune.tune.execute.outcome.Failure` of the right kind, so a broken trial is recorded,
 not fatal. :func:`run_confirm` does the same for a confirming re-measurement (of speed or of
-quality) and for the noise floor a job measures before its trials, and :func:`run_reference`
-for the job's one try of the whole-step-graph reference (before its first trial, in a worker
-the executor replaces afterwards when the capture failed: a failed capture can leave a
-process's CUDA state unfit for measuring).
+quality) and for the noise floor a job measures when its first cut is proposed, and
+:func:`run_reference` for the job's preflight before its first trial: one try of the
+whole-step-graph reference (on CUDA; in a worker the executor replaces afterwards when the
+capture failed: a failed capture can leave a process's CUDA state unfit for measuring) and the
+baseline's step time, from which the job estimates its phases (erase_tune.estimate).
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ class TrialSpec:
     reference_error: str | None = None
     """Why the job's whole-step-graph reference cannot be captured (the trial leaves it out and
     records this), or None: it can, or was not tried (CPU, ``budget.reference`` off)."""
+    gain_over: str = "eager"
+    """The baseline whose gain interval decides when the trial stops measuring."""
+    stop_below: float | None = None
+    """Racing: the trial stops once its gain's upper bound is below this (the front's best lower bound)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -63,6 +68,10 @@ class ConfirmSpec:
     ``plans`` is then empty)."""
     band: float = 0.0
     """``quality``: the job's noise floor band (the interval of plans exact by construction)."""
+    max_windows: int = 40
+    """``speed``: windows at most per plan (``windows`` is the least)."""
+    halfwidth: float = 0.02
+    """``speed``: a plan stops once its gain's 95% interval is within ± this."""
 
 
 CONFIRM_TASKS = ("speed", "quality", "noise")
@@ -70,12 +79,15 @@ CONFIRM_TASKS = ("speed", "quality", "noise")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ReferenceSpec:
-    """The job's one try of the whole-step-graph reference (:func:`erase_tune.trial.reference_capture_error`)."""
+    """The job's preflight: one try of the whole-step-graph reference
+    (:func:`erase_tune.trial.reference_capture_error`, when ``try_graph``) and the baseline's
+    step cost (:func:`erase_tune.estimate.measure_step`)."""
 
     workload: str
     workload_args: Mapping[str, Any]
     seed: int = 0
     device: str = "auto"
+    try_graph: bool = True
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -86,6 +98,8 @@ class ReferenceOutcome:
     error: str | None = None
     failure: Failure | None = None
     worker: WorkerInfo = dataclasses.field(default_factory=WorkerInfo)
+    step: Mapping[str, float] | None = None
+    """The baseline's step cost (``StepCost`` as a dict: ``step_s``, ``build_s``), where measured."""
 
     @property
     def reason(self) -> str | None:
@@ -106,7 +120,8 @@ def run_spec(spec: TrialSpec, info: Callable[[], dict[str, Any]] = dict, process
         workload = get_workload(spec.workload, dict(spec.workload_args))
         marks["ready"] = time.time()
         return run_trial(workload, plan, Budget(**spec.budget), device=spec.device, baseline_ne=spec.baseline_ne,
-                         process_group=process_group, reference_error=spec.reference_error)
+                         process_group=process_group, reference_error=spec.reference_error,
+                         gain_over=spec.gain_over, stop_below=spec.stop_below)
 
     marks: dict[str, float] = {}
     result, failure, worker = _run(work, marks, info)
@@ -129,7 +144,8 @@ def run_confirm(spec: ConfirmSpec, info: Callable[[], dict[str, Any]] = dict,
         if spec.task != "speed":
             return _quality_or_noise(spec, workload, plans, process_group)
         return confirm_plans(workload, plans, budget=Budget(**spec.budget), windows=spec.windows,
-                             gain_over=spec.gain_over, device=spec.device, process_group=process_group)
+                             max_windows=spec.max_windows, halfwidth=spec.halfwidth, gain_over=spec.gain_over,
+                             device=spec.device, process_group=process_group)
 
     marks: dict[str, float] = {}
     result, failure, worker = _run(work, marks, info)
@@ -155,19 +171,23 @@ def _quality_or_noise(spec: ConfirmSpec, workload: Any, plans: Mapping[str, Any]
 
 
 def run_reference(spec: ReferenceSpec, info: Callable[[], dict[str, Any]] = dict) -> ReferenceOutcome:
-    """Try the whole-step-graph reference; never raises for the workload's own failure."""
+    """The preflight (:class:`ReferenceSpec`); never raises for the workload's own failure. The
+    capture is tried first in the process (see :func:`erase_tune.trial.reference_capture_error`)."""
 
-    def work() -> str | None:
+    def work() -> tuple[str | None, dict[str, float]]:
+        from erase_tune.estimate import measure_step
         from erase_tune.trial import reference_capture_error
         from erase_tune.workloads import get_workload
 
         workload = get_workload(spec.workload, dict(spec.workload_args))
         marks["ready"] = time.time()
-        return reference_capture_error(workload, spec.device, seed=spec.seed)
+        error = reference_capture_error(workload, spec.device, seed=spec.seed) if spec.try_graph else None
+        return error, dataclasses.asdict(measure_step(workload, spec.device))
 
     marks: dict[str, float] = {}
-    error, failure, worker = _run(work, marks, info)
-    return ReferenceOutcome(error=error, failure=failure, worker=worker)
+    got, failure, worker = _run(work, marks, info)
+    error, step = got if got is not None else (None, None)
+    return ReferenceOutcome(error=error, failure=failure, worker=worker, step=step)
 
 
 def _run(work: Callable[[], T], marks: dict[str, float],

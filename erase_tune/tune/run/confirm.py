@@ -1,10 +1,16 @@
 """The second look before a plan leaves the study: its speed, then its quality, re-measured.
 
 At the end of ``start`` and in ``export``, the best front plans are re-timed against their
-baseline (:mod:`erase_tune.confirm`: interleaved in one process, a 95% interval per gain), and
-the plans whose gain is confirmed are trained longer over several data orders
-(:func:`erase_tune.noise.confirm_quality`, an NE-gap interval). Both run on a trial worker
-and are stored in the project's tables; :func:`quality_refused` is the rule ``export`` applies.
+baseline by the same interleaved protocol as the trials (:mod:`erase_tune.confirm`: one
+process, windows added until each gain's 95% interval is within ±``CONFIRM_HALFWIDTH`` or a cap
+is reached), and the plans whose gain is confirmed are trained longer over several data
+orders (:func:`erase_tune.noise.confirm_quality`, an NE-gap interval). Both run on a trial
+worker and are stored in the project's tables.
+
+:func:`choose` is the one rule both ``start`` (to say what an export would write) and
+``export`` apply: among front plans whose confirmed interval lies above 0 and whose NE holds
+(:func:`quality_refused`), the best *lower bound* wins, so the plan exported is the one whose
+gain is proven best, not the luckiest reading.
 """
 
 from __future__ import annotations
@@ -16,26 +22,34 @@ import optuna
 
 from erase_tune.errors import EraseTuneError
 from erase_tune.runtime import ErasePlan
-from erase_tune.store import QualityConfirmation
+from erase_tune.store import Confirmation, QualityConfirmation
 from erase_tune.store.storage import Storage
 from erase_tune.tune.execute.task import ConfirmSpec
 from erase_tune.tune.search.study import Attr, FrontPoint, noise_band
 
-__all__ = ["MAX_CONFIRMED", "confirm_front", "confirm_quality_front", "quality_refused", "with_quality"]
+__all__ = ["MAX_CONFIRMED", "CONFIRM_HALFWIDTH", "CONFIRM_MAX_WINDOWS", "PICKS", "Choice", "choose", "pick_point",
+           "confirm_front", "confirm_quality_front", "quality_refused", "with_quality"]
 
-MAX_CONFIRMED = 5
-"""Front plans re-measured at most (best search gains first): one process holds them all."""
+MAX_CONFIRMED = 3
+"""Front plans re-measured at most (best search gains first): the top few, in one process."""
+CONFIRM_HALFWIDTH = 0.02
+"""A confirmation measures each plan until its gain's 95% interval is within ±2 points."""
+CONFIRM_MAX_WINDOWS = 40
+"""... or until this many windows (a host-bound step needs about 30 for ±2%)."""
+PICKS = ("max-gain", "knee")
 
 
 def confirm_front(db: Storage, study: optuna.Study, space_like: Any, executor: Any, front: list[FrontPoint], *,
-                  windows: int) -> dict[int, tuple[float, float, float]]:
-    """Re-measure the best ``MAX_CONFIRMED`` front plans on ``executor`` and store the results."""
+                  windows: int, max_windows: int = CONFIRM_MAX_WINDOWS) -> dict[int, tuple[float, float, float]]:
+    """Re-measure the best ``MAX_CONFIRMED`` front plans on ``executor`` (at least ``windows``
+    windows, at most ``max_windows``) and store the results."""
     job = db.store.get_job(study.study_name)
     points = front[:MAX_CONFIRMED]
     wl = study.user_attrs[Attr.WORKLOAD]
     budget = dataclasses.asdict(space_like.budget)
     spec = ConfirmSpec(workload=wl["name"], workload_args=wl["args"], plans={str(p.number): p.plan for p in points},
-                       budget=budget, windows=windows, gain_over=study.user_attrs.get(Attr.GAIN_OVER, "eager"))
+                       budget=budget, windows=windows, gain_over=study.user_attrs.get(Attr.GAIN_OVER, "eager"),
+                       max_windows=max(windows, max_windows), halfwidth=CONFIRM_HALFWIDTH)
     outcome = executor.confirm(spec, timeout=float(space_like.timeout_s) * 2)
     if outcome.result is None:
         raise EraseTuneError(f"confirmation of the front failed: {outcome.failure.reason}")
@@ -95,5 +109,70 @@ def confirm_quality_front(db: Storage, study: optuna.Study, space_like: Any, exe
 
 
 def quality_refused(q: QualityConfirmation | None, max_ne_gap: float, band: float) -> bool:
-    """A confirmed NE gap above the budget beyond the noise: the plan is not exported."""
-    return q is not None and not q.exact and q.ne_gap > max_ne_gap + band
+    """A plan with cuts is exported only when its confirmed NE-gap interval, widened by the noise
+    floor on both sides, lies under the budget (``hi + band <= max_ne_gap``): the floor says how
+    little the interval is worth, it never enlarges the budget. An exact plan is never refused."""
+    return q is not None and not q.exact and q.ne_gap_hi + band > max_ne_gap
+
+
+def pick_point(front: list[FrontPoint], pick: str, bounds: dict[int, float] | None = None) -> FrontPoint:
+    """``max-gain``: the largest confirmed lower bound (``bounds``; the search gain where none is
+    given); ``knee``: the front point farthest from the chord between its extremes, in
+    normalised units."""
+    if pick not in PICKS:
+        raise EraseTuneError(f"--pick: {pick!r} is not one of {', '.join(PICKS)}")
+    gain = (lambda p: bounds.get(p.number, p.qps_gain)) if bounds else (lambda p: p.qps_gain)  # noqa: E731
+    best = max(front, key=lambda p: (gain(p), -p.ne_gap))
+    if pick == "max-gain" or len(front) < 3:
+        return best
+    xs, ys = [gain(p) for p in front], [p.ne_gap for p in front]
+    xspan, yspan = (max(xs) - min(xs)) or 1.0, (max(ys) - min(ys)) or 1.0
+    pts = [((x - min(xs)) / xspan, (y - min(ys)) / yspan) for x, y in zip(xs, ys)]
+    a = min(range(len(front)), key=lambda i: pts[i][1])
+    b = max(range(len(front)), key=lambda i: pts[i][0])
+    (x1, y1), (x2, y2) = pts[a], pts[b]
+    norm = ((x2 - x1) ** 2 + (y2 - y1) ** 2) ** 0.5 or 1.0
+    dist = [abs((y2 - y1) * x - (x2 - x1) * y + x2 * y1 - y2 * x1) / norm for x, y in pts]
+    return front[max(range(len(front)), key=lambda i: (dist[i], gain(front[i])))]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Choice:
+    """What an export writes, by :func:`choose`."""
+
+    point: FrontPoint
+    """The plan chosen; when ``refusal`` is set, the best plan that was refused."""
+    confirmation: Confirmation | None
+    quality: QualityConfirmation | None
+    refusal: str | None = None
+    """Why nothing may be exported (one line), or None."""
+    quality_refusal: bool = False
+    """The refusal is the NE gap's (the speed was confirmed)."""
+
+
+def choose(front: list[FrontPoint], confirmed: dict[int, Confirmation], quality: dict[int, QualityConfirmation], *,
+           max_ne_gap: float, band: float, pick: str = "max-gain", gain_over: str = "eager") -> Choice:
+    """The export rule (module docstring): the plan ``pick`` chooses among front plans whose
+    confirmed gain interval lies above 0 and whose NE holds, else a refusal naming the best."""
+    confirmed = {n: c for n, c in confirmed.items() if any(p.number == n for p in front)}
+    showing = [p for p in front if p.number in confirmed and confirmed[p.number].gain_lo > 0]
+    too_costly = [p for p in showing if quality_refused(quality.get(p.number), max_ne_gap, band)]
+    showing = [p for p in showing if p not in too_costly]
+    if showing:
+        point = pick_point(showing, pick, {n: c.gain_lo for n, c in confirmed.items()})
+        return Choice(point=point, confirmation=confirmed[point.number], quality=quality.get(point.number))
+    if too_costly:
+        p = too_costly[0]
+        q = quality[p.number]
+        return Choice(point=p, confirmation=confirmed[p.number], quality=q, quality_refusal=True, refusal=(
+            f"no plan on the front keeps its NE gap once trained longer: the best, trial {p.number}, confirmed at NE "
+            f"gap {q.ne_gap:+.2%} [{q.ne_gap_lo:+.2%}, {q.ne_gap_hi:+.2%}] over {q.seeds} seeds of {q.steps} steps; "
+            f"with the noise floor (±{band:.2%}) its interval reaches above the budget {max_ne_gap:.2%}"))
+    best = max(front, key=lambda p: confirmed[p.number].gain_lo if p.number in confirmed else p.qps_gain)
+    c = confirmed.get(best.number)
+    seen = f"{c.gain:+.2%} [{c.gain_lo:+.2%}, {c.gain_hi:+.2%}] over {c.windows} windows" if c else "unconfirmed"
+    if c is not None and c.provenance.get("is_baseline"):
+        seen = "+0% (it is the baseline itself: no cuts, no placements)"
+    return Choice(point=best, confirmation=c, quality=quality.get(best.number), refusal=(
+        f"no plan on the front shows a gain once re-measured: the best, trial {best.number}, confirmed at {seen} "
+        f"over the {gain_over} baseline"))

@@ -3,14 +3,20 @@
 Set-up order is chosen so that a mistake costs nothing: the space file and the workload
 are checked first (one probe forward on the CPU, before any trial runs), then Ray is
 started or joined (an unreachable cluster leaves the storage untouched), then the storage
-is opened and the study created or resumed under the study's lock. Before the first trial
-the noise floor of the NE gap is measured on a trial slot (erase_tune.noise; once per study:
-a resumed job reuses the stored one), so feasibility accounts for it from the first trial. A resumed job replays
+is opened and the study created or resumed under the study's lock. A resumed job replays
 the local journal of outcomes a previous driver measured but could not store.
 
-On GPU slots the whole-step CUDA-graph reference is tried once per job, on a worker, before the
-first trial (:func:`erase_tune.trial.reference_capture_error`); the outcome is kept on the study
-(a resumed job does not try again). A model whose step cannot be captured whole is tuned
+Before the first trial a *preflight* runs once per job on a worker: on GPU slots the whole-step
+CUDA-graph reference is tried (:func:`erase_tune.trial.reference_capture_error`), and the
+baseline's step time is measured (erase_tune.estimate), so the job prints what each phase will
+cost before it spends anything, and keeps the figure current as trials finish. Both are kept on
+the study (a resumed job does not try again). With ``--time-budget`` the whole job, confirmation
+included, ends on time: no trial is started that would run past the budget less the
+confirmation's share, and the confirmation's windows are capped to what is left.
+
+The noise floor of the NE gap (erase_tune.noise) is measured only when the space can propose a
+cut, and only when the first plan with cuts is about to run (once per study: a resumed job
+reuses the stored one); exact plans never need it. A model whose step cannot be captured whole is tuned
 without that reference: trials leave it out and record why, a ``whole_step_graph: true``
 choice is dropped, and a space that needs it (``gain_over: graph``, only ``whole_step_graph:
 true``) is refused with the capture error before any trial runs.
@@ -31,19 +37,29 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from erase_tune._files import name_problem
 from erase_tune.errors import EraseTuneError, shown
+from erase_tune.estimate import StepCost, describe_phases, job_phases, trial_seconds
 from erase_tune.store import default_storage_url
 from erase_tune.store.engine import parse_url
 from erase_tune.store.storage import open_storage
 from erase_tune.tune.search.checks import check_space
 from erase_tune.tune.search.codec import BoundSpace
 from erase_tune.tune.execute.executor import RayExecutor, import_dirs, runtime_env
-from erase_tune.tune.run.confirm import confirm_front, confirm_quality_front, with_quality
+from erase_tune.tune.run.confirm import (
+    CONFIRM_MAX_WINDOWS,
+    MAX_CONFIRMED,
+    Choice,
+    choose,
+    confirm_front,
+    confirm_quality_front,
+    with_quality,
+)
 from erase_tune.tune.run.journal import Journal
 from erase_tune.tune.run.loop import HEARTBEAT_S, Loop, Progress
 from erase_tune.tune.run.record import Recorder
@@ -99,10 +115,14 @@ class JobSpec:
     """Overrides the space's ``budget.quality_scale`` for the quality confirmation at the end."""
     quality_seeds: int | None = None
     """Overrides the space's ``budget.quality_seeds``."""
+    time_budget_s: float | None = None
+    """Seconds the whole job may take, confirmation included; None: no limit."""
 
     def __post_init__(self) -> None:
         if self.trials is not None and not 1 <= self.trials <= MAX_TRIALS:
             raise EraseTuneError(f"--trials: {self.trials} must be in 1..{MAX_TRIALS}")
+        if self.time_budget_s is not None and not 1 <= self.time_budget_s <= MAX_WAIT_S:  # also refuses nan
+            raise EraseTuneError(f"--time-budget: {self.time_budget_s} must be in 1s..7d")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -159,6 +179,12 @@ class JobSummary:
     """Trial number → (NE gap, lo, hi) of the quality confirmation made at the end."""
     noise_band: float = 0.0
     """The study's noise floor band of the NE gap."""
+    chosen: int | None = None
+    """The trial ``export`` would write (:func:`erase_tune.tune.run.confirm.choose`), or None."""
+    refusal: str | None = None
+    """Why ``export`` would write nothing, or None."""
+    estimate: str | None = None
+    """What the job estimated before trial 0, one line per phase."""
 
 
 def start_job(
@@ -173,6 +199,7 @@ def start_job(
     """Run (or resume) a tuning job; see the module docstring. The arguments were checked when
     they were made (:class:`JobSpec`, :class:`Where`, :class:`Patience`). ``driver``: what the job
     asks of the process it runs in (``erase-tune start`` changes the process there)."""
+    began = time.monotonic()
     space = with_quality(SearchSpace.load(space_path), what.quality_scale, what.quality_seeds)
     # Absolute, and now: export re-reads the space's relative py_modules against its directory,
     # from anywhere; and a Ray job's working directory may be gone once Ray has started.
@@ -213,26 +240,41 @@ def start_job(
                      "a script)", space.workload, module)
             try:
                 original = space
-                space, reference_error = _graph_reference(db, space, name, executor)
+                space, reference_error, cost = _preflight(db, space, name, executor)
                 if reference_error is not None:
                     dropped = "; its whole_step_graph: true choice is dropped" if True in original.whole_step_graph \
                         else ""
                     log.info("whole-step CUDA graph: this model's step cannot be captured whole (%s): trials run "
                              "without the graph reference%s", reference_error, dropped)
-                floor, measured_here = _noise_floor(db, space, name, executor)
+                with db.lock(f"study:{name}"):
+                    floor = open_study(db.optuna, name).user_attrs.get(Attr.NOISE_FLOOR)
                 band = float(floor["band"]) if floor else 0.0
                 loop = _set_up(db, space, name, space_abspath, target, checked, executor, on_progress,
                                reference_error, band)
             except BaseException as e:
                 _mark_stopped(db, name, e)
                 raise
-            if floor and (measured_here or db.store.noise_floor(loop.recorder.job) is None):
-                # Also on a resume after a driver stopped between storing the attr and the row.
+            if floor and db.store.noise_floor(loop.recorder.job) is None:
+                # A resume after a driver stopped between storing the attr and the row.
                 db.store.record_noise_floor(loop.recorder.job, floor)
             if floor:
                 log.info("noise floor of the NE gap: ±%.3f%% (a gap above the budget by less is not infeasible)",
                          100 * band)
-            summary = _run(db, loop, space, name, executor, what.confirm_windows)
+            elif space.may_detach and space.budget.noise_repeats:
+                loop.floor_due = lambda: _lazy_floor(db, space, name, executor, loop)
+            estimate = _estimate(space, cost, target, loop, what)
+            if estimate is not None:
+                log.info("estimate: %s", estimate)
+            if what.time_budget_s is not None:
+                loop.deadline = began + what.time_budget_s
+                loop.reserve_s = _confirm_reserve(space, cost, what.confirm_windows)
+                if cost is not None:
+                    b = space.budget
+                    loop.first_trial_s = trial_seconds(cost, variants=3, warmup_steps=b.warmup_steps,
+                                                       window_steps=b.window_steps, windows=b.max_windows,
+                                                       ne_steps=2 * b.quality_steps)
+            summary = dataclasses.replace(_run(db, loop, space, name, executor, what.confirm_windows, cost),
+                                          estimate=estimate)
         finally:
             db.close()
     finally:
@@ -273,7 +315,7 @@ def _noise_floor(db: Any, space: SearchSpace, name: str, executor: RayExecutor) 
         stored = study.user_attrs.get(Attr.NOISE_FLOOR)
     if stored is not None or not space.budget.noise_repeats:
         return stored, False
-    log.info("noise floor: training the baseline against itself (%d data orders%s) before the trials",
+    log.info("noise floor: training the baseline against itself (%d data orders%s): the first plan with cuts needs it",
              space.budget.noise_repeats, ", and the whole-step graph" if executor.device == "cuda" else "")
     spec = ConfirmSpec(workload=space.workload, workload_args=dict(space.workload_args), plans={},
                        budget=dataclasses.asdict(space.budget), windows=0, gain_over=space.gain_over, task="noise")
@@ -292,27 +334,36 @@ def _noise_floor(db: Any, space: SearchSpace, name: str, executor: RayExecutor) 
 
 
 
-def _graph_reference(db: Any, space: SearchSpace, name: str, executor: RayExecutor) -> tuple[SearchSpace, str | None]:
-    """Try the whole-step-graph reference once per job (see the module docstring): the space to
-    run (``whole_step_graph`` limited to false and the reference off when it cannot be captured)
-    and why it cannot, or None. Nothing is tried on CPU slots, nor with the reference off."""
-    if executor.device != "cuda" or not space.budget.reference:
-        return space, None
+def _preflight(db: Any, space: SearchSpace, name: str,
+               executor: RayExecutor) -> tuple[SearchSpace, str | None, StepCost | None]:
+    """Once per job, on a worker (see the module docstring): the space to run (``whole_step_graph``
+    limited to false and the reference off when the step cannot be captured whole), why it
+    cannot (or None), and the baseline's step cost (None when it could not be measured)."""
     study = open_study(db.optuna, name)
     tuned = study.user_attrs.get(Attr.WORKLOAD)
     if tuned is not None and tuned != {"name": space.workload, "args": dict(space.workload_args)}:
-        return space, None  # another workload's study: _set_up refuses it
-    if Attr.REFERENCE_ERROR in study.user_attrs:
-        error = study.user_attrs[Attr.REFERENCE_ERROR]
-    else:
+        return space, None, None  # another workload's study: _set_up refuses it
+    try_graph = executor.device == "cuda" and space.budget.reference
+    known = Attr.REFERENCE_ERROR in study.user_attrs
+    stored = study.user_attrs.get(Attr.STEP_COST)
+    error = study.user_attrs.get(Attr.REFERENCE_ERROR) if known else None
+    if (try_graph and not known) or stored is None:
         outcome = executor.reference(ReferenceSpec(workload=space.workload, workload_args=dict(space.workload_args),
-                                                   seed=space.budget.seed), timeout=space.timeout_s)
+                                                   seed=space.budget.seed, try_graph=try_graph and not known),
+                                     timeout=space.timeout_s)
         if outcome.failure is not None and outcome.failure.kind == "infra":
-            raise JobFailed(f"job {name}: could not try the whole-step CUDA graph on a worker: {outcome.failure.reason}")
-        error = outcome.reason
-        study.set_user_attr(Attr.REFERENCE_ERROR, error)
-    if error is None:
-        return space, None
+            raise JobFailed(f"job {name}: could not run the preflight on a worker: {outcome.failure.reason}")
+        if try_graph and not known:
+            error = outcome.reason
+            study.set_user_attr(Attr.REFERENCE_ERROR, error)
+        elif outcome.failure is not None:  # the workload's own error: its trials say it again
+            log.warning("preflight: the baseline's step time could not be measured (%s)", outcome.failure.reason)
+        if outcome.step is not None:
+            stored = dict(outcome.step)
+            study.set_user_attr(Attr.STEP_COST, stored)
+    cost = StepCost(**stored) if isinstance(stored, dict) else None
+    if not try_graph or error is None:
+        return space, None, cost
     if space.gain_over == "graph":
         raise EraseTuneError(f"{space.source}: gain_over: graph, but this model's step cannot be captured as one CUDA "
                              f"graph ({error}); use gain_over: eager")
@@ -320,7 +371,65 @@ def _graph_reference(db: Any, space: SearchSpace, name: str, executor: RayExecut
         raise EraseTuneError(f"{space.source}: cuts.whole_step_graph: [true], but this model's step cannot be captured "
                              f"as one CUDA graph ({error}); use [false]")
     return dataclasses.replace(space, whole_step_graph=(False,),
-                               budget=dataclasses.replace(space.budget, reference=False)), error
+                               budget=dataclasses.replace(space.budget, reference=False)), error, cost
+
+
+def _lazy_floor(db: Any, space: SearchSpace, name: str, executor: RayExecutor, loop: Loop) -> float:
+    """The noise floor, measured now (the first plan with cuts is about to run) or taken from
+    another driver that measured it; stored in the job's tables too. Returns its band."""
+    floor, measured_here = _noise_floor(db, space, name, executor)
+    if floor is None:
+        return 0.0
+    if measured_here or db.store.noise_floor(loop.recorder.job) is None:
+        db.store.record_noise_floor(loop.recorder.job, floor)
+    band = float(floor["band"])
+    log.info("noise floor of the NE gap: ±%.3f%% (a gap above the budget by less is not infeasible)", 100 * band)
+    return band
+
+
+def _estimate(space: SearchSpace, cost: StepCost | None, target: int, loop: Loop, what: JobSpec) -> str | None:
+    """The phases of this job and their durations, one line (erase_tune.estimate); None without a step cost."""
+    if cost is None:
+        return None
+    b = space.budget
+    left = max(0, target - loop.counts()[0])
+    screen = loop.screen_size() if hasattr(loop, "screen_size") else 0
+    screen = min(screen, left)
+    confirm = MAX_CONFIRMED if what.confirm_windows else 0
+    quality_runs = (MAX_CONFIRMED + 1) * b.quality_seeds * b.quality_scale if b.quality_scale else 0
+    phases = job_phases(cost, warmup_steps=b.warmup_steps, window_steps=b.window_steps, min_windows=b.windows,
+                        max_windows=b.max_windows, quality_steps=b.quality_steps, screen_plans=screen,
+                        search_trials=left - screen, reference=b.reference and loop.executor.device == "cuda",
+                        may_detach=space.may_detach,
+                        noise_runs=(b.noise_repeats + 1) if b.noise_repeats and loop.floor_due is not None else 0,
+                        training_steps=b.training_steps, confirm_plans=confirm,
+                        confirm_min_windows=what.confirm_windows,
+                        confirm_max_windows=max(what.confirm_windows, CONFIRM_MAX_WINDOWS), quality_runs=quality_runs)
+    slots = max(1, loop.executor.slots)
+    if slots > 1:  # trials share the slots; the rest runs on one
+        phases = [dataclasses.replace(p, low_s=p.low_s / slots, high_s=p.high_s / slots)
+                  if p.name in ("screen", "search") else p for p in phases]
+    return f"{describe_phases(phases)} (from a measured step of {cost.step_s * 1e3:.1f} ms)"
+
+
+def _confirm_reserve(space: SearchSpace, cost: StepCost | None, windows: int) -> float:
+    """Seconds a time budget keeps for the confirmation at its least (its minimum of windows)."""
+    if cost is None or not windows:
+        return 0.0
+    b = space.budget
+    return (MAX_CONFIRMED + 1) * (cost.build_s + (b.warmup_steps + windows * b.window_steps) * cost.step_s)
+
+
+def _confirm_windows(space: SearchSpace, cost: StepCost | None, windows: int, seconds_left: float | None) -> int:
+    """The confirmation's cap of windows: :data:`CONFIRM_MAX_WINDOWS`, or what the time left allows."""
+    cap = max(windows, CONFIRM_MAX_WINDOWS)
+    if seconds_left is None or cost is None:
+        return cap
+    b = space.budget
+    runners = MAX_CONFIRMED + 1
+    per_window = runners * b.window_steps * cost.step_s
+    spare = seconds_left - runners * (cost.build_s + b.warmup_steps * cost.step_s)
+    return max(windows, min(cap, int(spare / per_window) if per_window > 0 else cap))
 
 
 def _set_up(db: Any, space: SearchSpace, name: str, space_path: str, target: int, checked: BoundSpace,
@@ -357,7 +466,7 @@ def _set_up(db: Any, space: SearchSpace, name: str, space_path: str, target: int
 
 
 def _run(db: Any, loop: Loop, space: SearchSpace, name: str, executor: RayExecutor,
-         confirm_windows: int) -> JobSummary:
+         confirm_windows: int, cost: StepCost | None = None) -> JobSummary:
     try:
         loop.run()
     except BaseException as e:
@@ -367,14 +476,22 @@ def _run(db: Any, loop: Loop, space: SearchSpace, name: str, executor: RayExecut
     complete, failed = loop.counts()
     front = pareto_front(loop.study, space.max_ne_gap)
     confirmed, quality = {}, {}
+    choice: Choice | None = None
     if confirm_windows and front:
-        confirmed = confirm_front(db, loop.study, space, executor, front, windows=confirm_windows)
+        cap = _confirm_windows(space, cost, confirm_windows, loop.seconds_left())
+        confirmed = confirm_front(db, loop.study, space, executor, front, windows=confirm_windows, max_windows=cap)
         try:
             quality = {n: (q.ne_gap, q.ne_gap_lo, q.ne_gap_hi)
                        for n, q in confirm_quality_front(db, loop.study, space, executor, [
                            p for p in front if p.number in confirmed and confirmed[p.number][1] > 0]).items()}
         except EraseTuneError as e:  # the trials are stored: export confirms quality again
             log.warning("%s (export will try again)", e)
+        job = db.store.get_job(name)
+        if job is not None:  # what export will write, by the same rule (so the two agree)
+            stored = {c.trial_number: c for c in db.store.confirmations(job)}
+            stored_q = {q.trial_number: q for q in db.store.quality_confirmations(job)}
+            choice = choose(front, stored, stored_q, max_ne_gap=space.max_ne_gap, band=noise_band(loop.study),
+                            gain_over=space.gain_over)
     stopped = loop.stopped
     if complete == 0 or (stopped is not None and complete < loop.target and failed >= loop.max_failures):
         db.store.set_job_status(name, "failed", error=stopped or "every trial failed")
@@ -383,4 +500,6 @@ def _run(db: Any, loop: Loop, space: SearchSpace, name: str, executor: RayExecut
     db.store.set_job_status(name, "finished")
     return JobSummary(study_name=name, storage=db.url, executor=executor.describe, complete=complete,
                       failed=failed, stopped=stopped, front=front, confirmed=confirmed, overhead=loop.overhead(),
-                      quality=quality, noise_band=noise_band(loop.study))
+                      quality=quality, noise_band=noise_band(loop.study),
+                      chosen=choice.point.number if choice is not None and choice.refusal is None else None,
+                      refusal=choice.refusal if choice is not None else None)

@@ -27,9 +27,12 @@ import contextlib
 import dataclasses
 import datetime as dt
 import logging
+import math
 import re
+import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import optuna
 from optuna.storages import fail_stale_trials
@@ -111,6 +114,15 @@ class Loop:
         Ray dispatch and return, and the trial itself in its worker."""
         self._beat = 0.0
         self._repeats = 0
+        self.floor_due: Callable[[], float] | None = None
+        """Measures the study's NE noise floor and returns its band; set while the study has none
+        and the space can detach. Called once, before the first plan with cuts runs."""
+        self.deadline: float | None = None
+        """``time.monotonic()`` by which the whole job must end (``--time-budget``), or None."""
+        self.reserve_s = 0.0
+        """Seconds of the time budget kept for the confirmation after the trials."""
+        self.first_trial_s: float | None = None
+        """What the first trial is expected to take (the job's estimate), before any has run."""
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -157,6 +169,9 @@ class Loop:
             return True
         self._repeats = 0
         self.inflight.append(admitted)  # before submitting: a signal during submit must find it to fail it
+        if admitted.plan.cuts and self.floor_due is not None:
+            self._measure_floor()
+            admitted.spec = dataclasses.replace(admitted.spec, stop_below=self._stop_below())
         admitted.handle = self.executor.submit(admitted.spec)
         self.cost["ask"].append(time.perf_counter() - t0)
         return True
@@ -166,6 +181,8 @@ class Loop:
         trials = self.study.get_trials(deepcopy=False)
         running = sum(t.state == TrialState.RUNNING for t in trials)
         if len(measured(self.study)) + running >= self.target:
+            return False
+        if self.deadline is not None and self._out_of_time():
             return False
         failed = [t for t in trials if t.state == TrialState.FAIL and Attr.FAILURE_KIND in t.user_attrs]
         if len(failed) >= self.max_failures:
@@ -192,7 +209,8 @@ class Loop:
         spec = TrialSpec(trial_number=trial.number, workload=self.space.workload,
                          workload_args=dict(self.space.workload_args), plan=plan.to_dict(),
                          budget=dataclasses.asdict(self.space.budget), baseline_ne=self.recorder.baseline_ne(),
-                         reference_error=self.reference_error)
+                         reference_error=self.reference_error, gain_over=self.space.gain_over,
+                         stop_below=self._stop_below())
         return _Inflight(number=trial.number, plan=plan, key=key, spec=spec)
 
     def finish(self, handle: TrialHandle, outcome: TrialOutcome) -> None:
@@ -262,6 +280,59 @@ class Loop:
             except Exception:  # noqa: BLE001 - the storage may be what failed
                 pass
         self.inflight.clear()
+
+    # -- the noise floor, the race and the clock ------------------------------------------------
+
+    def _measure_floor(self) -> None:
+        """Measure the noise floor (:attr:`floor_due`) while beating for this driver's trials,
+        then judge feasibility by it from here on (recorder and sampler)."""
+        measure, self.floor_due = self.floor_due, None
+        assert measure is not None
+        box: dict[str, Any] = {}
+
+        def work() -> None:
+            try:
+                box["band"] = measure()
+            except BaseException as e:  # noqa: BLE001 - raised again in the driver's thread
+                box["error"] = e
+
+        worker = threading.Thread(target=work, name="noise-floor", daemon=True)
+        worker.start()
+        while worker.is_alive():
+            worker.join(timeout=HEARTBEAT_S)
+            if worker.is_alive():
+                self.maintain()
+        if "error" in box:
+            raise box["error"]
+        band = float(box["band"])
+        self.recorder.band = band
+        if hasattr(self.study.sampler, "max_ne_gap"):
+            self.study.sampler.max_ne_gap = self.space.max_ne_gap + band
+
+    def _stop_below(self) -> float | None:
+        """The racing bound a trial gets: the best lower bound of the feasible trials measured so
+        far (a plan whose interval ends below it cannot join the front's top)."""
+        bounds = [t.user_attrs.get("gain_lo") for t in measured(self.study)
+                  if t.user_attrs.get(Attr.FEASIBLE, True) and Attr.DUPLICATE_OF not in t.user_attrs]
+        bounds = [float(b) for b in bounds if isinstance(b, (int, float)) and math.isfinite(b)]
+        return max(bounds) if bounds else None
+
+    def seconds_left(self) -> float | None:
+        """Seconds until the time budget's end, or None without one."""
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
+    def _out_of_time(self) -> bool:
+        """No trial may start that would run past the budget less the confirmation's reserve; a
+        trial is expected to take the longest any took so far (the first: the trial timeout)."""
+        done = self.cost["trial"]
+        expected = max(done) if done else self.first_trial_s if self.first_trial_s is not None \
+            else float(self.space.timeout_s)
+        left = self.seconds_left()
+        if left is not None and left - self.reserve_s < expected:
+            if self.stopped is None:
+                self.stopped = "time budget reached"
+            return True
+        return False
 
     # -- helpers -------------------------------------------------------------------------------
 

@@ -1,8 +1,9 @@
 """Recording an outcome: the study learns the objectives, erase-tune's tables the raw data.
 
 Each fact is stored once. The Optuna trial gets the objective values, the NE constraint
-(system attribute ``constraints``: the budget plus the study's noise floor; a plan exact by
-construction, with no cuts, has NE-gap objective 0 and its measured gap kept as ``ne_gap``)
+(system attribute ``constraints``: the budget plus the study's noise floor; a plan whose
+gradients the trial checked equal to the baseline's is *exact*: NE-gap objective 0, never
+trained for NE)
 and the flat metric attributes that the dashboard,
 ``status``, ``export`` and the report read; ``et_trial_outcomes`` gets what a worker sent
 beyond those numbers (per-step samples with their windows, provenance, the failure's
@@ -27,7 +28,7 @@ from erase_tune.store import Job, baseline_key
 from erase_tune.store.storage import Storage
 from erase_tune.tune.execute.outcome import Failure, TrialOutcome
 from erase_tune.tune.search.space import SearchSpace
-from erase_tune.noise import exact_by_construction, feasible
+from erase_tune.noise import feasible
 from erase_tune.tune.search.study import CONSTRAINTS, Attr, constraint, metric_attrs, objective_values
 
 __all__ = ["Recorder"]
@@ -66,8 +67,8 @@ class Recorder:
         if result is not None:
             metrics = metric_attrs(result)
             values = objective_values(metrics, self.space.gain_over)
-            exact = exact_by_construction(result.plan)
-            if exact:  # its training is the baseline's mathematics: the measured gap is noise
+            exact = bool(result.exact)
+            if exact:  # gradients checked equal to the baseline's: the same training, gap 0
                 values[1] = 0.0
             if not all(math.isfinite(v) for v in values):
                 values, failure = None, Failure(kind="trial", reason=f"non-finite objectives {values}")
@@ -78,11 +79,12 @@ class Recorder:
                           Attr.MAX_NE_GAP: self.space.max_ne_gap, Attr.EXACT: exact, Attr.NOISE_BAND: self.band,
                           Attr.FEASIBLE: feasible(values[1], self.space.max_ne_gap, self.band, exact=exact)})
             self.env = (str(prov.get("device_name")), str(prov.get("torch")))
-            if not prov.get("baseline_ne_cached"):
+            if not prov.get("baseline_ne_cached") and result.ne_baseline is not None:
                 self.storage.store.put_baseline(self._baseline_key(), {"ne_baseline": result.ne_baseline},
                                                 {"baseline": result.variants["baseline"].steps_s})
-            gap = f"NE gap {result.ne_gap:+.2%} (noise: no cuts)" if exact else f"NE gap {values[1]:+.2%}"
-            message = (f"trial {number}: gain {values[0]:+.2%}, {gap} "
+            gap = "NE gap 0 (exact)" if exact else f"NE gap {values[1]:+.2%}"
+            message = (f"trial {number}: gain {values[0]:+.2%} [{result.gain_lo:+.2%}, {result.gain_hi:+.2%}] over "
+                       f"{result.windows} windows ({result.stopped}), {gap} "
                        f"({result.plan.describe()}; {result.duration_s:.0f}s on {prov.get('device_name', '?')})")
         else:
             assert failure is not None

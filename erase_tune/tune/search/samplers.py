@@ -78,6 +78,16 @@ class FrontSampler(BaseSampler):
         self._paired: set[int] = set()  # trial numbers whose pairs are in _sums
         self._sums: dict[Move, tuple[np.ndarray, int]] = {}
 
+    @property
+    def max_ne_gap(self) -> float | None:
+        """The NE budget the hypervolume is measured within (the driver widens it by the noise
+        floor once that is measured)."""
+        return self._budget
+
+    @max_ne_gap.setter
+    def max_ne_gap(self, value: float | None) -> None:
+        self._budget = value
+
     def reseed_rng(self) -> None:
         self._rng = np.random.RandomState()
         self._random.reseed_rng()

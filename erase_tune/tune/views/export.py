@@ -2,16 +2,18 @@
 
 The front within the NE budget is re-measured first (:mod:`erase_tune.confirm`: baseline
 and front plans interleaved in one process, ``windows`` more windows) unless the job's own
-end-of-run confirmation already did so with at least as many windows. ``export`` then picks
-among the plans whose confirmed gain interval lies above 0 — the largest confirmed gain
-(``max-gain``) or the knee of the front (``knee``) — and writes it atomically, with both
-the search measurement and the confirmation in its provenance. If no plan shows a gain, it
-says so and exits non-zero (``--force`` writes the best one anyway, marked unconfirmed).
+end-of-run confirmation already did so with at least as many windows. ``export`` then applies
+the rule ``start`` applied at its end (:func:`erase_tune.tune.run.confirm.choose`, so the two
+agree): among the plans whose confirmed gain interval lies above 0, the largest confirmed lower
+bound (``max-gain``) or the knee of the front (``knee``), written atomically with both the search
+measurement and the confirmation in its provenance. If no plan shows a gain, it says so and
+exits non-zero (``--force`` writes the best one anyway, marked unconfirmed).
 
 Quality is confirmed too (where the space's ``budget.quality_scale`` is not 0): the same front
 plans are trained ``quality_scale`` times longer over ``quality_seeds`` seeds against the
-baseline trained the same way (erase_tune.noise.confirm_quality). A plan whose confirmed NE gap
-is above the budget beyond the study's noise floor is not exported (same rule and ``--force``);
+baseline trained the same way (erase_tune.noise.confirm_quality). A plan with cuts is exported
+only when its confirmed NE-gap interval, widened by the study's noise floor, lies under the
+budget (same rule and ``--force``); an exact plan (no cuts, gradients checked) is not trained;
 the file records the search NE gap, the noise floor and the confirmed NE gap with its interval.
 """
 
@@ -30,12 +32,20 @@ from erase_tune.runtime import ErasePlan
 from erase_tune.store import Confirmation, QualityConfirmation, default_storage_url
 from erase_tune.store.storage import Storage, open_storage
 from erase_tune.tune.search.space import SearchSpace
-from erase_tune.tune.run.confirm import MAX_CONFIRMED, confirm_front, confirm_quality_front, quality_refused, with_quality
+from erase_tune.tune.run.confirm import (
+    MAX_CONFIRMED,
+    PICKS,
+    choose,
+    confirm_front,
+    confirm_quality_front,
+    pick_point,
+    quality_refused,
+    with_quality,
+)
 from erase_tune.tune.search.study import Attr, FrontPoint, load_study, noise_band, pareto_front
 
 __all__ = ["PICKS", "NoConfirmedGain", "Exported", "export_plan", "pick_point", "storage_files"]
 
-PICKS = ("max-gain", "knee")
 
 
 class NoConfirmedGain(EraseTuneError):
@@ -50,26 +60,6 @@ class Exported:
     point: FrontPoint
     confirmation: Confirmation | None
     confirmations: dict[int, Confirmation]
-
-
-def pick_point(front: list[FrontPoint], pick: str, gains: dict[int, float] | None = None) -> FrontPoint:
-    """``max-gain``: the largest (confirmed, where given) gain; ``knee``: the front point
-    farthest from the chord between its extremes, in normalised units."""
-    if pick not in PICKS:
-        raise EraseTuneError(f"--pick: {pick!r} is not one of {', '.join(PICKS)}")
-    gain = (lambda p: gains.get(p.number, p.qps_gain)) if gains else (lambda p: p.qps_gain)  # noqa: E731
-    best = max(front, key=lambda p: (gain(p), -p.ne_gap))
-    if pick == "max-gain" or len(front) < 3:
-        return best
-    xs, ys = [gain(p) for p in front], [p.ne_gap for p in front]
-    xspan, yspan = (max(xs) - min(xs)) or 1.0, (max(ys) - min(ys)) or 1.0
-    pts = [((x - min(xs)) / xspan, (y - min(ys)) / yspan) for x, y in zip(xs, ys)]
-    a = min(range(len(front)), key=lambda i: pts[i][1])
-    b = max(range(len(front)), key=lambda i: pts[i][0])
-    (x1, y1), (x2, y2) = pts[a], pts[b]
-    norm = ((x2 - x1) ** 2 + (y2 - y1) ** 2) ** 0.5 or 1.0
-    dist = [abs((y2 - y1) * x - (x2 - x1) * y + x2 * y1 - y2 * x1) / norm for x, y in pts]
-    return front[max(range(len(front)), key=lambda i: (dist[i], gain(front[i])))]
 
 
 def export_plan(storage: str | None, study_name: str, out: str | Path, *, max_ne_gap: float | None = None,
@@ -113,30 +103,16 @@ def export_plan(storage: str | None, study_name: str, out: str | Path, *, max_ne
                                       missing)
             quality = _latest_quality(db.store.quality_confirmations(job))
         band = noise_band(study)
-        too_costly = [p for p in showing if quality_refused(quality.get(p.number), budget, band)]
-        showing = [p for p in showing if p not in too_costly]
-        if too_costly and not showing and not force:
-            q = quality[too_costly[0].number]
-            raise NoConfirmedGain(f"no plan on the front keeps its NE gap once trained longer: the best, trial "
-                                  f"{too_costly[0].number}, confirmed at NE gap {q.ne_gap:+.2%} [{q.ne_gap_lo:+.2%}, "
-                                  f"{q.ne_gap_hi:+.2%}] over {q.seeds} seeds of {q.steps} steps, above the budget "
-                                  f"{budget:.2%} beyond the noise (±{band:.2%}); nothing written (--force writes it "
-                                  "anyway, marked unconfirmed)")
-        if not showing and not force:
-            best = max(front, key=lambda p: confirmed[p.number].gain if p.number in confirmed else p.qps_gain)
-            c = confirmed.get(best.number)
-            seen = f"{c.gain:+.2%} [{c.gain_lo:+.2%}, {c.gain_hi:+.2%}]" if c else "unconfirmed"
-            if c is not None and c.provenance.get("is_baseline"):
-                seen = "+0% (it is the baseline itself: no cuts, no placements)"
-            raise NoConfirmedGain(f"no plan on the front shows a gain once re-measured: the best, trial {best.number},"
-                                  f" confirmed at {seen} over the {study.user_attrs.get(Attr.GAIN_OVER, 'eager')} "
-                                  "baseline; nothing written (--force writes it anyway, marked unconfirmed)")
-        point = pick_point(showing or front, pick, {n: c.gain for n, c in confirmed.items()})
+        choice = choose(front, confirmed, quality, max_ne_gap=budget, band=band, pick=pick,
+                        gain_over=study.user_attrs.get(Attr.GAIN_OVER, "eager"))
+        if choice.refusal is not None and not force:
+            raise NoConfirmedGain(f"{choice.refusal}; nothing written (--force writes it anyway, marked unconfirmed)")
+        point = choice.point
         conf = confirmed.get(point.number)
         prov = _provenance(study, db, point, pick, budget, conf)
         prov.update(_quality_provenance(study, quality.get(point.number), budget, band))
-        if point.user_attrs.get(Attr.EXACT):  # its search NE gap (the objective) is 0; what was measured is noise
-            prov["search_ne_gap_measured"] = point.user_attrs.get("ne_gap")
+        if point.user_attrs.get(Attr.EXACT):  # gradients checked equal to the baseline's: NE gap 0 by construction
+            prov["exact"] = True
         plan = dataclasses.replace(ErasePlan.from_dict(point.plan), provenance=prov)
         _write_atomic(target, plan.dumps(), storage)
         if job is not None:

@@ -1,0 +1,157 @@
+"""How long a tuning job will take, from step times measured on the trial device.
+
+A job is phases run one after another: the structural screen, the sampler's search, the noise
+floor of the NE gap (only when the space can detach something), the speed confirmation of the
+front, its quality confirmation (again only for plans with cuts) and the export. Each costs a
+number of training steps that follows from the budget (warm-up, windows of the interleaved
+protocol, NE training), times the step time, plus building each variant's model. Both are
+measured once per job on a trial worker (:func:`measure_step`), before trial 0, so ``start`` can
+say what the job will cost before it spends anything, and keep the figure current as trials
+finish (their own durations replace the model).
+
+Windows are sequential (a trial stops once its interval is narrow), so a phase is a range:
+``low`` with every plan stopping at the minimum of windows, ``high`` at the cap. Pure
+arithmetic apart from :func:`measure_step`; no Optuna, Ray or SQL.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from collections.abc import Sequence
+
+import torch
+
+from erase_tune.runtime import EraseEngine, ErasePlan
+from erase_tune.runtime.device import resolve_device
+from erase_tune.workloads import Workload
+
+__all__ = ["StepCost", "Phase", "measure_step", "trial_seconds", "job_phases", "describe_phases", "duration"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepCost:
+    """What one variant of a trial costs on the trial device."""
+
+    step_s: float
+    """Median seconds of one eager training step of the baseline (device-synchronised)."""
+    build_s: float
+    """Seconds to copy the model to the device and wrap it in an engine (once per variant)."""
+
+    def __post_init__(self) -> None:
+        for name in ("step_s", "build_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value >= 0 and value == value and value != float("inf")):
+                raise ValueError(f"StepCost.{name}: {value!r} must be a finite number of seconds >= 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Phase:
+    """One phase of a job and its estimated duration."""
+
+    name: str
+    what: str
+    """What it runs, in a few words (``6 plans``, ``3 plans, 5..40 windows``)."""
+    low_s: float
+    high_s: float
+
+
+def measure_step(workload: Workload, device: str | torch.device | None = None, *, steps: int = 5,
+                 warmup: int = 3) -> StepCost:
+    """Time the workload's baseline (an engine with the empty plan) for ``steps`` steps after
+    ``warmup``, synchronising the device after each (an estimate, not a measurement users act on:
+    the per-step sync hides pipelining, which makes it err long)."""
+    device = resolve_device(device)
+    data = workload.make_data(device)
+    init = workload.build_model()
+    started = time.perf_counter()
+    engine = EraseEngine(copy.deepcopy(init).to(device), ErasePlan(), loss_fn=workload.loss_fn,
+                         optimizer=workload.optimizer, example=data.batch(0), make_head=workload.make_head,
+                         output=workload.output, model_loss=workload.model_loss)
+    build_s = time.perf_counter() - started
+    times = []
+    try:
+        for step in range(warmup + steps):
+            t0 = time.perf_counter()
+            engine.step(*data.batch(step))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if step >= warmup:
+                times.append(time.perf_counter() - t0)
+    finally:
+        engine.close()
+    times.sort()
+    return StepCost(step_s=times[len(times) // 2], build_s=build_s)
+
+
+def trial_seconds(cost: StepCost, *, variants: int, warmup_steps: int, window_steps: int, windows: int,
+                  ne_steps: int = 0) -> float:
+    """One trial: ``variants`` models built, warmed up and timed for ``windows`` windows each, then
+    ``ne_steps`` training steps for NE (0 for an exact plan)."""
+    return variants * (cost.build_s + (warmup_steps + windows * window_steps) * cost.step_s) + ne_steps * cost.step_s
+
+
+def job_phases(cost: StepCost, *, warmup_steps: int, window_steps: int, min_windows: int, max_windows: int,
+               quality_steps: int, screen_plans: int, search_trials: int, reference: bool, may_detach: bool,
+               noise_runs: int, training_steps: int, confirm_plans: int, confirm_min_windows: int,
+               confirm_max_windows: int, quality_runs: int) -> list[Phase]:
+    """The phases of a job (module docstring). ``screen_plans`` are exact or single-cut plans,
+    measured like any trial; ``reference``: trials also time the whole-step graph; ``noise_runs``
+    and ``quality_runs``: trainings of ``training_steps`` (the quality runs already scaled)."""
+    exact_variants = 2 + int(reference)
+    cut_variants = exact_variants + 1  # the detach-only twin
+    ne = 2 * quality_steps  # candidate and, at worst, the baseline
+
+    def trials(n: int, variants_low: int, variants_high: int, ne_high: int) -> tuple[float, float]:
+        low = n * trial_seconds(cost, variants=variants_low, warmup_steps=warmup_steps, window_steps=window_steps,
+                                windows=min_windows)
+        high = n * trial_seconds(cost, variants=variants_high, warmup_steps=warmup_steps,
+                                 window_steps=window_steps, windows=max_windows, ne_steps=ne_high)
+        return low, high
+
+    phases = []
+    if screen_plans:
+        low, high = trials(screen_plans, exact_variants, cut_variants if may_detach else exact_variants,
+                           ne if may_detach else 0)
+        phases.append(Phase(name="screen", what=f"{screen_plans} plans", low_s=low, high_s=high))
+    if search_trials:
+        low, high = trials(search_trials, exact_variants, cut_variants if may_detach else exact_variants,
+                           ne if may_detach else 0)
+        phases.append(Phase(name="search", what=f"{search_trials} trials", low_s=low, high_s=high))
+    if may_detach and noise_runs:
+        s = noise_runs * (cost.build_s + training_steps * cost.step_s)
+        phases.append(Phase(name="noise floor", what=f"{noise_runs} trainings (when the first cut is proposed)",
+                            low_s=s, high_s=s))
+    if confirm_plans:
+        runners = confirm_plans + 1
+        low = runners * (cost.build_s + (warmup_steps + confirm_min_windows * window_steps) * cost.step_s)
+        high = runners * (cost.build_s + (warmup_steps + confirm_max_windows * window_steps) * cost.step_s)
+        phases.append(Phase(name="confirmation", what=f"{confirm_plans} plans, {confirm_min_windows}.."
+                                                      f"{confirm_max_windows} windows", low_s=low, high_s=high))
+        if may_detach and quality_runs:
+            s = quality_runs * (cost.build_s + training_steps * cost.step_s)
+            phases.append(Phase(name="quality", what=f"up to {quality_runs} trainings (plans with cuts only)",
+                                low_s=0.0, high_s=s))
+    phases.append(Phase(name="export", what="the confirmed plan, written", low_s=0.0, high_s=0.0))
+    return phases
+
+
+def duration(seconds: float) -> str:
+    """``42s``, ``3m20s``, ``1h05m``: a duration as a person reads it."""
+    s = max(0, int(round(seconds)))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def describe_phases(phases: Sequence[Phase]) -> str:
+    """One line: each phase with its range, and the total."""
+    parts = []
+    for p in phases:
+        span = duration(p.high_s) if round(p.low_s) == round(p.high_s) else f"{duration(p.low_s)}-{duration(p.high_s)}"
+        parts.append(f"{p.name} ({p.what}) {span}")
+    low, high = sum(p.low_s for p in phases), sum(p.high_s for p in phases)
+    return f"{'; '.join(parts)}; total {duration(low)}-{duration(high)}"
