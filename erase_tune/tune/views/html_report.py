@@ -257,9 +257,9 @@ def _page(facts: StudyFacts, records: Sequence[TrialRecord], front: Sequence[Tri
     if failed:
         parts.append('<p class="what">A trial failure is the plan\'s own (it crashed, ran out of memory, produced '
                      "NaN or timed out); an infra failure is the cluster's (a worker or node lost).</p>")
-        parts.append(_table(["trial", "kind", "reason", "plan", "phase"],
-                            [[str(r.number), r.failure_kind or "-", r.failure_reason or "unknown", r.plan_summary,
-                              r.phase] for r in failed], numeric=(0,)))
+        parts.append(_table(["trial", "kind", "reason", "plan"],
+                            [[str(r.number), r.failure_kind or "-", r.failure_reason or "unknown", r.plan_summary]
+                             for r in failed], numeric=(0,)))
     else:
         parts.append("<p>No trial failed.</p>")
     parts.append("</body></html>\n")
