@@ -149,7 +149,6 @@ def test_invalid_singles_cost_no_trial():
 
 def test_unions_of_the_gainers_only_after_every_single_has_a_result(bound):
     screen = Screen(bound)
-    by = {s.name: s for s in screen.singles}
     gains = {"graph left": 0.05, "graph right": 0.04, "place tower": 0.03, "cut emb": 0.02, "cut left": 0.06,
              "cut right": 0.01, "graph tower.1": 0.02, "place top": 0.015, "whole-step graph": -0.02}
     infeasible = {"cut right"}
@@ -195,6 +194,15 @@ def test_unions_of_the_gainers_only_after_every_single_has_a_result(bound):
     done = [*results, *(measured(u, 0.0) for u in unions)]
     assert screen.next(done) is None and screen.done(done) and screen.waiting(done) == []
     assert screen.stand(done).endswith(f"{len(unions)} of {len(unions)} unions measured (done)")
+
+
+def test_a_union_the_space_refuses_costs_no_trial(bound):
+    screen = Screen(bound)
+    gains = {"cut left": 0.03, "cut right": 0.02, "cut emb": 0.01}
+    results = [measured(s, gains.get(s.name, -0.01)) for s in screen.singles]
+    # Cutting both sibling branches would leave the shared embedding without a gradient: the guard refuses
+    # that pair, and the union of all skips cut right for it (left holds more), leaving only a pair again.
+    assert [u.name for u in screen.unions(results)] == ["cut emb + cut left", "cut emb + cut right"]
 
 
 def test_a_plan_already_measured_is_not_screened_again_and_no_gainer_means_no_union(bound):

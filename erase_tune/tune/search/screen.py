@@ -133,6 +133,8 @@ class Screen:
             step = ScreenStep(phase=SINGLE, name=name, plan=plan, params=params)
             self._singles.append(_Single(step, element, len(self._singles)))
         self.singles = tuple(x.step for x in self._singles)
+        self._made: dict[tuple[int, ...], ScreenStep | None] = {}
+        """Each union built so far, by its singles: the driver asks on every admission."""
 
     # -- the driver's questions ------------------------------------------------------------------
 
@@ -277,7 +279,14 @@ class Screen:
         return out
 
     def _union(self, parts: Sequence[_Single]) -> ScreenStep | None:
+        """The union of ``parts`` as a screen step, or None when the space cannot make it."""
         parts = sorted(parts, key=lambda x: x.order)
+        key = tuple(x.order for x in parts)
+        if key not in self._made:
+            self._made[key] = self._make_union(parts)
+        return self._made[key]
+
+    def _make_union(self, parts: Sequence[_Single]) -> ScreenStep | None:
         whole = self._whole or any(x.element is None for x in parts)
         try:
             plan = self._plan([x.element for x in parts if x.element is not None], whole=whole)

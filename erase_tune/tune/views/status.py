@@ -166,7 +166,8 @@ def job_status(storage: str | None, study_name: str | None) -> JobStatus:
             front=pareto_front(study, budget) if budget is not None else pareto_front(study),
             front_all=pareto_front(study), failures=failures,
             confirmations=db.store.confirmations(job) if job else [], exports=db.store.exports(job) if job else [],
-            noise_floor=study.user_attrs.get(Attr.NOISE_FLOOR), quality=db.store.quality_confirmations(job) if job else [],
+            noise_floor=study.user_attrs.get(Attr.NOISE_FLOOR),
+            quality=db.store.quality_confirmations(job) if job else [],
             phases={p: phases[p] for p in PHASES if p in phases}, screen=screen_line(screened))
     finally:
         db.close()
