@@ -50,6 +50,7 @@ from erase_tune.store.engine import parse_url
 from erase_tune.store.storage import open_storage
 from erase_tune.tune.search.checks import check_space
 from erase_tune.tune.search.codec import BoundSpace
+from erase_tune.tune.search.screen import Screen
 from erase_tune.tune.execute.executor import RayExecutor, import_dirs, runtime_env
 from erase_tune.tune.run.confirm import (
     CONFIRM_MAX_WINDOWS,
@@ -462,7 +463,7 @@ def _set_up(db: Any, space: SearchSpace, name: str, space_path: str, target: int
             journal.remove(entry.trial_number)
     return Loop(space=space, study=study, storage=db, executor=executor, recorder=recorder, journal=journal,
                 checked=checked, target=target, max_failures=max(3, target), on_progress=on_progress,
-                reference_error=reference_error)
+                reference_error=reference_error, screen=Screen(checked) if space.screen else None)
 
 
 def _run(db: Any, loop: Loop, space: SearchSpace, name: str, executor: RayExecutor,

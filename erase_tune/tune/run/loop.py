@@ -42,6 +42,7 @@ from erase_tune.runtime import ErasePlan
 from erase_tune.store.storage import Storage, StorageLost
 from erase_tune.trial import BASELINE
 from erase_tune.tune.search.codec import BoundSpace
+from erase_tune.tune.search.screen import SEARCH, SEED, Screen, results_of
 from erase_tune.tune.execute.executor import RayExecutor, TrialHandle
 from erase_tune.tune.run.journal import Entry, Journal
 from erase_tune.tune.execute.outcome import TrialOutcome
@@ -100,8 +101,11 @@ class Loop:
 
     def __init__(self, *, space: SearchSpace, study: optuna.Study, storage: Storage, executor: RayExecutor,
                  recorder: Recorder, journal: Journal, checked: BoundSpace, target: int, max_failures: int,
-                 on_progress: Callable[[Progress], None], reference_error: str | None = None) -> None:
+                 on_progress: Callable[[Progress], None], reference_error: str | None = None,
+                 screen: Screen | None = None) -> None:
         self.space, self.study, self.storage, self.executor = space, study, storage, executor
+        self.screen = screen
+        """The structural screen whose plans are enqueued before the sampler proposes; None: off."""
         self.recorder, self.journal, self.checked = recorder, journal, checked
         self.target, self.max_failures, self.on_progress = target, max_failures, on_progress
         self.reference_error = reference_error
@@ -153,6 +157,16 @@ class Loop:
         with self.storage.lock(f"study:{self.study.study_name}"):
             if not self._room():
                 return False
+            if self.screen is not None:
+                # The screen's next plan goes to the queue ask() pops from, oldest first; while
+                # anything waits there (the space's seeds, at first) it goes first, and nothing
+                # is enqueued twice.
+                trials = self.study.get_trials(deepcopy=False)
+                step = None if any(t.state == TrialState.WAITING for t in trials) else \
+                    self.screen.next(results_of(trials))
+                if step is not None:
+                    self.study.enqueue_trial(step.params, user_attrs={Attr.PHASE: step.phase,
+                                                                      Attr.SCREEN_NAME: step.name})
             trial = self.study.ask()
             try:
                 admitted = self._propose(trial)
@@ -203,8 +217,9 @@ class Loop:
                              or t.user_attrs.get(Attr.FAILURE_KIND) == "trial")), None)
         if earlier is not None:
             return self.recorder.duplicate(trial, earlier, key)
+        phase = trial.user_attrs.get(Attr.PHASE) or (SEED if Attr.SEED_NAME in trial.user_attrs else SEARCH)
         for name, value in ((Attr.PLAN, plan.to_dict()), (Attr.PLAN_KEY, key), (Attr.PLAN_SUMMARY, plan.describe()),
-                            (Attr.MAX_NE_GAP, self.space.max_ne_gap)):
+                            (Attr.MAX_NE_GAP, self.space.max_ne_gap), (Attr.PHASE, phase)):
             trial.set_user_attr(name, value)
         spec = TrialSpec(trial_number=trial.number, workload=self.space.workload,
                          workload_args=dict(self.space.workload_args), plan=plan.to_dict(),

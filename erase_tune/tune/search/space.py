@@ -87,6 +87,9 @@ class SearchSpace:
     candidate_modes: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     """A candidate's own choices among :data:`MODES`, where its entry gives them
     (``{module: top_l, modes: [keep, graph]}``); the others take :attr:`modes`."""
+    screen: bool = True
+    """``sampler.screen``: measure each single structural change, then unions of those that
+    gained, before the sampler proposes (erase_tune.tune.search.screen)."""
 
     # -- loading -----------------------------------------------------------------------------
 
@@ -113,6 +116,7 @@ class SearchSpace:
             whole_step_graph=cuts.whole_step_graph, find_unused_parameters=cuts.find_unused_parameters,
             aux_weight=(cuts.aux_weight.low, cuts.aux_weight.high, cuts.aux_weight.log),
             max_ne_gap=f.max_ne_gap, gain_over=f.gain_over, sampler=f.sampler.name, sampler_seed=f.sampler.seed,
+            screen=f.sampler.screen,
             budget=f.budget.per_trial, timeout_s=f.budget.timeout_s, trials=f.trials, seed=f.seed, device=f.device,
             seeds=tuple((s.name, s.plan) for s in f.seeds), gpus_per_trial=f.gpus_per_trial,
         )

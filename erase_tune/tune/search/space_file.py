@@ -113,10 +113,13 @@ class CutsSpec:
 
 @dataclasses.dataclass(frozen=True)
 class SamplerSpec:
-    """``sampler:``: a name among the study's samplers, and its seed (None: drawn)."""
+    """``sampler:``: a name among the study's samplers, its seed (None: drawn), and whether the
+    structural screen runs before it."""
 
     name: str
     seed: int | None = None
+    screen: bool = True
+    """Measure the single structural changes and their unions first (erase_tune.tune.search.screen)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,12 +268,15 @@ def _aux_weight(aux: Any) -> AuxWeight:
 def _sampler(sampler: Any) -> SamplerSpec:
     if isinstance(sampler, str):
         sampler = {"name": sampler}
-    sampler = _mapping(sampler, "sampler", "a name or {name, seed}")
-    _known(sampler, {"name", "seed"}, "sampler.")
+    sampler = _mapping(sampler, "sampler", "a name or {name, seed, screen}")
+    _known(sampler, {"name", "seed", "screen"}, "sampler.")
     if sampler.get("name") not in SAMPLERS:
         raise _Error(f"sampler.name: {shown(sampler.get('name'))} is not one of {', '.join(SAMPLERS)}")
     seed = sampler.get("seed")
-    return SamplerSpec(sampler["name"], None if seed is None else _int(seed, "sampler.seed", 0, MAX_SEED))
+    screen = _or(sampler.get("screen"), True)
+    if not isinstance(screen, bool):
+        raise _Error(f"sampler.screen: {shown(screen)} must be true or false")
+    return SamplerSpec(sampler["name"], None if seed is None else _int(seed, "sampler.seed", 0, MAX_SEED), screen)
 
 
 def _budget(b: Any, seed: Any) -> tuple[BudgetSpec, int]:

@@ -51,6 +51,8 @@ class Attr:
     MAX_NE_GAP = "max_ne_gap"
     FEASIBLE = "feasible"
     EXACT = "exact"  # no cuts: exact by construction, its measured NE gap is noise (objective 0)
+    PHASE = "phase"  # seed, screen-single, screen-union or search (erase_tune.tune.search.screen.PHASES)
+    SCREEN_NAME = "screen_name"  # the structural screen's name of the plan: "graph top_l", "place a + cut b"
     # study-level
     WORKLOAD = "workload"
     GAIN_OVER = "gain_over"

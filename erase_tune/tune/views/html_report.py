@@ -1,7 +1,8 @@
 """``erase-tune report``: a finished job as one HTML page (and its PNGs) that can be mailed.
 
-The page holds the Pareto front of QPS gain against NE gap, the hypervolume within the NE
-budget trial by trial, each trial's QPS spread over timing windows, the parameters that
+The page holds the Pareto front of QPS gain against NE gap, the structural screen's trials
+(erase_tune.tune.search.screen) and each trial's phase, the hypervolume within the NE budget
+trial by trial, each trial's QPS spread over timing windows, the parameters that
 decide the gain, the front as a table and the job's facts (workload, budget, baseline,
 trial counts, failures and why). Figures are embedded as ``data:`` URIs so the one file is
 the whole report; the PNGs are written beside it too. Nothing on the page depends on when
@@ -28,6 +29,7 @@ import optuna
 from erase_tune.errors import EraseTuneError, one_line
 from erase_tune.store import default_storage_url
 from erase_tune.store.storage import open_storage
+from erase_tune.tune.search.screen import SINGLE, UNION
 from erase_tune.tune.search.study import load_study
 from erase_tune.tune.search.hypervolume import hypervolume_history
 from erase_tune.tune.views.report_data import (
@@ -188,6 +190,9 @@ def _page(facts: StudyFacts, records: Sequence[TrialRecord], front: Sequence[Tri
             ["noise floor of the NE gap", _noise_text(facts)],
             ["qps_gain is over", f"the {over} baseline"],
             ["trials by state", counts],
+            ["trials by phase", ", ".join(f"{n} {phase}" for phase, n in facts.phases.items()) or "-"],
+            ["structural screen (single changes, then unions of those that gained)",
+             (facts.screen or "no trial was the screen's").removeprefix("screen: ")],
             ["measured plans", f"{facts.measured} ({facts.feasible} within the NE budget)"],
             ["repeats of a measured plan", f"{facts.duplicates} (left out of fronts and figures)"],
             ["seeds (plans the job measured first)", "; ".join(
@@ -207,8 +212,9 @@ def _page(facts: StudyFacts, records: Sequence[TrialRecord], front: Sequence[Tri
     ]
     if front:
         parts.append(_table(
-            ["trial", "qps_gain", "ne_gap", "gain over eager", "gain over graph", "plan"],
+            ["trial", "qps_gain", "ne_gap", "gain over eager", "gain over graph", "phase", "plan"],
             [[str(r.number), _pct(r.qps_gain), _pct(r.ne_gap), _pct(r.gain_vs_eager), _pct(r.gain_vs_graph),
+              r.phase + (f": {r.screen_name}" if r.screen_name else ""),
               r.plan_summary + (f" (seed: {r.seed_name})" if r.seed_name else "")] for r in front],
             numeric=(0, 1, 2, 3, 4)))
     else:
@@ -216,6 +222,19 @@ def _page(facts: StudyFacts, records: Sequence[TrialRecord], front: Sequence[Tri
         parts.append("<p>No measured plan is within the NE budget"
                      + (f" (the smallest NE gap measured is {_pct(closest)})" if closest is not None else "")
                      + ".</p>")
+    screened = [r for r in records if r.phase in (SINGLE, UNION) and r.duplicate_of is None and r.state != "WAITING"]
+    if screened:
+        parts += [
+            "<h3>The structural screen</h3>",
+            '<p class="what">Before the sampler, the job measured each single structural change the space allows '
+            "(the whole-step graph, one candidate graphed, placed on a side stream or cut alone), then unions of "
+            "the singles that gained within the NE budget: pairs, then all of them together.</p>",
+            _table(["trial", "screen step", "phase", "qps_gain", "ne_gap"],
+                   [[str(r.number), r.screen_name or r.plan_summary, r.phase,
+                     _pct(r.qps_gain) if r.measured else r.state.lower(),
+                     (_pct(r.ne_gap) + ("" if r.feasible else ", over the budget")) if r.measured else "-"]
+                    for r in screened], numeric=(0, 3, 4)),
+        ]
     parts += [
         "<h2>Hypervolume</h2>",
         '<p class="what">The area of (QPS gain, NE gap) the plans found so far dominate, counted from the baseline\'s '

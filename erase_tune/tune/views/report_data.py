@@ -19,6 +19,7 @@ from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
 from erase_tune.errors import EraseTuneError, PlanError, shown
+from erase_tune.tune.search.screen import FAILED, MEASURED, PHASES, RUNNING, phase_of, screen_line
 from erase_tune.tune.search.study import flat_attrs, noise_band
 
 __all__ = ["TrialRecord", "Importance", "StudyFacts", "read_records", "study_facts", "front_within_budget",
@@ -48,6 +49,10 @@ class StudyFacts:
     """The study's noise floor of the NE gap (erase_tune.noise): gaps within budget + band are feasible."""
     noise_floor: dict[str, Any] | None = None
     """The whole noise-floor measurement (gaps, kinds, steps, provenance), if made."""
+    phases: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Trials by phase (erase_tune.tune.search.screen.PHASES), in that order; waiting ones not counted."""
+    screen: str | None = None
+    """Where the structural screen stands, one line; None when no trial was the screen's."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -89,6 +94,10 @@ class TrialRecord:
     exact: bool = False
     """No cuts: exact by construction; its NE-gap objective is 0 and ``ne_gap_measured`` is noise."""
     ne_gap_measured: float | None = None
+    phase: str = "search"
+    """Which phase proposed it: seed, screen-single, screen-union or search."""
+    screen_name: str | None = None
+    """The structural screen's name of its plan (``graph top_l``), for the screen's trials."""
 
     @property
     def measured(self) -> bool:
@@ -140,6 +149,8 @@ def _record(trial: FrozenTrial, max_ne_gap: float, band: float = 0.0) -> TrialRe
         duplicate_of=dup if isinstance(dup, int) and not isinstance(dup, bool) else None,
         failure_kind=str(attrs["failure_kind"]) if attrs.get("failure_kind") is not None else None,
         failure_reason=str(attrs["failure_reason"]) if attrs.get("failure_reason") is not None else None,
+        phase=phase_of(attrs),
+        screen_name=attrs.get("screen_name") if isinstance(attrs.get("screen_name"), str) else None,
     )
 
 
@@ -163,8 +174,13 @@ def read_records(study: optuna.Study) -> list[TrialRecord]:
 
 def study_facts(study: optuna.Study, records: Sequence[TrialRecord]) -> StudyFacts:
     counts: dict[str, int] = {}
+    phases: dict[str, int] = {}
     for r in records:
         counts[r.state] = counts.get(r.state, 0) + 1
+        if r.state != "WAITING":
+            phases[r.phase] = phases.get(r.phase, 0) + 1
+    states = {"COMPLETE": MEASURED, "RUNNING": RUNNING, "FAIL": FAILED}
+    screened = [(r.phase, states.get(r.state, r.state) if r.duplicate_of is None else "repeat") for r in records]
     workload = study.user_attrs.get("workload")
     return StudyFacts(
         study_name=study.study_name, workload=workload if isinstance(workload, dict) else None,
@@ -175,6 +191,7 @@ def study_facts(study: optuna.Study, records: Sequence[TrialRecord]) -> StudyFac
         noise_band=noise_band(study),
         noise_floor=study.user_attrs.get("noise_floor") if isinstance(study.user_attrs.get("noise_floor"), dict)
         else None,
+        phases={p: phases[p] for p in PHASES if p in phases}, screen=screen_line(screened),
     )
 
 

@@ -1,5 +1,5 @@
-"""``erase-tune status``: a job, its noise floor, Pareto front, confirmations (of speed and of
-quality) and exports; or one trial.
+"""``erase-tune status``: a job, its trials by phase and where its structural screen stands,
+its noise floor, Pareto front, confirmations (of speed and of quality) and exports; or one trial.
 
 Everything shown is read from where it is stored once: the trials and their metrics from
 the Optuna study, the job, confirmations, exports and a trial's raw samples, traceback and
@@ -17,6 +17,7 @@ from optuna.trial import TrialState
 from erase_tune.errors import EraseTuneError, shown
 from erase_tune.store import Confirmation, Export, Job, QualityConfirmation, StoredOutcome, default_storage_url
 from erase_tune.store.storage import open_storage
+from erase_tune.tune.search.screen import FAILED, MEASURED, PHASES, RUNNING, phase_of, screen_line
 from erase_tune.tune.search.study import load_study
 from erase_tune.tune.search.study import Attr, FrontPoint, pareto_front
 
@@ -43,6 +44,10 @@ class JobStatus:
     """The study's noise floor of the NE gap (erase_tune.noise), if measured."""
     quality: list[QualityConfirmation] = dataclasses.field(default_factory=list)
     """Quality confirmations (front plans trained longer over seeds), oldest first."""
+    phases: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Trials by phase (erase_tune.tune.search.screen.PHASES), in that order; waiting ones not counted."""
+    screen: str | None = None
+    """Where the structural screen stands, one line; None when no trial was the screen's."""
 
     def table(self) -> str:
         c = self.counts
@@ -50,6 +55,10 @@ class JobStatus:
                  f"trials: {c.get('COMPLETE', 0)} measured, {c.get('RUNNING', 0)} running, {c.get('FAIL', 0)} failed, "
                  f"{c.get('REPEAT', 0)} repeats" + (f"; NE-gap budget {self.max_ne_gap:.2%}" if self.max_ne_gap
                                                      is not None else "")]
+        if self.phases:
+            lines.append("phases: " + ", ".join(f"{n} {phase}" for phase, n in self.phases.items()))
+        if self.screen:
+            lines.append(self.screen)
         band = 0.0
         if self.noise_floor:
             band = float(self.noise_floor["band"])
@@ -68,7 +77,7 @@ class JobStatus:
                      " early launch, over eager)")
         lines.append("  (NE gap 'noise': a plan with no cuts is exact by construction; its measured gap is noise)")
         lines.append(f"  {'trial':>5} {'QPS gain':>9} {'NE gap':>14} {'vs eager':>9} {'vs graph':>9} "
-                     f"{'detach only':>11} {'confirmed':>24} {'confirmed NE gap':>24}  plan")
+                     f"{'detach only':>11} {'confirmed':>24} {'confirmed NE gap':>24}  {'phase':<13} plan")
         confirmed = {x.trial_number: x for x in self.confirmations}
         quality = {x.trial_number: x for x in self.quality}
         for p in rows:
@@ -80,7 +89,7 @@ class JobStatus:
             gap = f"noise {_pct(p.user_attrs.get('ne_gap'))}" if p.user_attrs.get(Attr.EXACT) else f"{p.ne_gap:+.2%}"
             lines.append(f"  {p.number:>5} {p.qps_gain:>+9.2%} {gap:>14} {_pct(p.gain_vs_eager):>9} "
                          f"{_pct(p.gain_vs_graph):>9} {_pct(p.gain_detach_only):>11} {shown:>24} {qshown:>24}  "
-                         f"{p.user_attrs.get(Attr.PLAN_SUMMARY, '')}")
+                         f"{phase_of(p.user_attrs):<13} {p.user_attrs.get(Attr.PLAN_SUMMARY, '')}")
         if not rows:
             lines.append("  (no measured trials yet)")
         for number, kind, reason in self.failures[-5:]:
@@ -123,6 +132,10 @@ class TrialDetail:
         return "\n".join(lines)
 
 
+_STATES = {"COMPLETE": MEASURED, "RUNNING": RUNNING, "FAIL": FAILED}
+"""Optuna's states as the screen's line counts them (a repeat is none of these)."""
+
+
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:+.1%}"
 
@@ -133,10 +146,16 @@ def job_status(storage: str | None, study_name: str | None) -> JobStatus:
         study = load_study(db, study_name)
         budget = study.user_attrs.get(Attr.MAX_NE_GAP)
         counts: dict[str, int] = {}
+        phases: dict[str, int] = {}
+        screened: list[tuple[str, str]] = []  # (phase, state) of each trial with its own plan
         failures = []
         for t in study.get_trials(deepcopy=False):
             state = "REPEAT" if Attr.DUPLICATE_OF in t.user_attrs else t.state.name
             counts[state] = counts.get(state, 0) + 1
+            if t.state != TrialState.WAITING:
+                phase = phase_of(t.user_attrs)
+                phases[phase] = phases.get(phase, 0) + 1
+                screened.append((phase, _STATES.get(state, state)))
             if t.state == TrialState.FAIL and state != "REPEAT":
                 failures.append((t.number, str(t.user_attrs.get(Attr.FAILURE_KIND, "stale")),
                                  str(t.user_attrs.get(Attr.FAILURE, "its driver stopped (no heartbeat)"))))
@@ -147,7 +166,9 @@ def job_status(storage: str | None, study_name: str | None) -> JobStatus:
             front=pareto_front(study, budget) if budget is not None else pareto_front(study),
             front_all=pareto_front(study), failures=failures,
             confirmations=db.store.confirmations(job) if job else [], exports=db.store.exports(job) if job else [],
-            noise_floor=study.user_attrs.get(Attr.NOISE_FLOOR), quality=db.store.quality_confirmations(job) if job else [])
+            noise_floor=study.user_attrs.get(Attr.NOISE_FLOOR),
+            quality=db.store.quality_confirmations(job) if job else [],
+            phases={p: phases[p] for p in PHASES if p in phases}, screen=screen_line(screened))
     finally:
         db.close()
 
