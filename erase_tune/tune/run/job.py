@@ -394,8 +394,8 @@ def _estimate(space: SearchSpace, cost: StepCost | None, target: int, loop: Loop
         return None
     b = space.budget
     left = max(0, target - loop.counts()[0])
-    screen = loop.screen_size() if hasattr(loop, "screen_size") else 0
-    screen = min(screen, left)
+    # the singles and, at most, as many unions again (pairs and the all-union of the gainers)
+    screen = min(left, 2 * len(loop.screen.singles)) if loop.screen is not None else 0
     confirm = MAX_CONFIRMED if what.confirm_windows else 0
     quality_runs = (MAX_CONFIRMED + 1) * b.quality_seeds * b.quality_scale if b.quality_scale else 0
     phases = job_phases(cost, warmup_steps=b.warmup_steps, window_steps=b.window_steps, min_windows=b.windows,
