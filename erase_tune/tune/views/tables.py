@@ -79,4 +79,12 @@ def start_summary(s: JobSummary) -> str:
         lines.append(f"noise floor of the NE gap: ±{s.noise_band:.2%} (gaps within the budget plus it are feasible)")
     for number, (gap, lo, hi) in s.quality.items():
         lines.append(f"  trial {number} trained longer: NE gap {gap:+.2%} [95% interval {lo:+.2%}, {hi:+.2%}]")
+    if s.chosen is not None:
+        gain, lo, hi = s.confirmed[s.chosen]
+        exact = " (exact: gradients checked equal to the baseline's, NE gap 0)" if any(
+            p.number == s.chosen and p.user_attrs.get("exact") for p in s.front) else ""
+        lines.append(f"export will write trial {s.chosen}: {gain:+.2%} [{lo:+.2%}, {hi:+.2%}], the best confirmed lower "
+                     f"bound{exact}")
+    elif s.refusal is not None:
+        lines.append(f"export will write nothing: {s.refusal}")
     return "\n".join(lines)
