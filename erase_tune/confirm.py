@@ -80,7 +80,9 @@ class ConfirmResult:
 
     gain_over: str
     windows: int
-    """The most windows any plan was timed over."""
+    """The most windows any plan was timed over; when none was (every plan is the baseline itself,
+    whose gain is 0 without timing), the minimum asked for, so that the confirmation counts as
+    one of at least that many windows."""
     plans: Mapping[str, PlanConfirmation]
     samples: Mapping[str, Mapping[str, list]]
     """Per variant (``baseline`` and each plan): ``{"steps_s": [...], "window": [...]}``."""
@@ -158,7 +160,7 @@ def confirm_plans(
         out[name] = PlanConfirmation(gain=g.gain, lo=g.lo, hi=g.hi, per_window=g.per_window, windows=g.windows,
                                      stopped=g.stopped)
     return ConfirmResult(
-        gain_over=gain_over, windows=max((c.windows for c in out.values()), default=0), plans=out,
+        gain_over=gain_over, windows=measured.rounds if measured is not None else windows, plans=out,
         samples={k: v.to_dict() for k, v in measured.timings.variants.items()} if measured is not None else {},
         provenance=provenance(device, workload=workload.name, workload_args=jsonable_args(workload.args),
                               budget=dataclasses.asdict(budget), windows=windows, max_windows=max_windows,
