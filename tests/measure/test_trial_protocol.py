@@ -214,3 +214,27 @@ def test_confirmation_refusals(kw, message):
     with pytest.raises(EraseTuneError) as e:
         confirm_plans(workload(), {"cut": CUT}, budget=BUDGET, device="cpu", **kw)
     assert str(e.value).startswith(message)
+
+
+TINY_CTR = {"batch": 64, "width": 8, "depth": 1, "emb_dim": 4, "num_tables": 4, "rows": 50, "sub_out": 4,
+            "train_batches": 16, "eval_batches": 2}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("plan", [
+    ErasePlan(whole_step_graph=True),
+    ErasePlan(graphs=(Graphed(module="subarchs.0"),)),
+    ErasePlan(placements=(Placement(module="subarchs.0", stream=1), Placement(module="subarchs.1", stream=2)),
+              num_streams=2),
+], ids=["whole-step-graph", "graphed", "placements"])
+def test_on_cuda_graphs_and_placements_are_verified_exact(plan, ne_calls):
+    """Not run yet (written without a GPU): the whole-step graph (capturable optimizer), a graphed
+    piece and side-stream placements of the CTR proxy pass the exactness check on CUDA, within
+    float32's tolerance, and are not trained for NE."""
+    from erase_tune.workloads import get_workload
+
+    budget = Budget(warmup_steps=5, windows=2, max_windows=3, window_steps=3, quality_steps=2)
+    result = run_trial(get_workload("ctr", TINY_CTR), plan, budget, device="cuda")
+    assert result.exact and result.exact_diff <= EXACT_RTOL[torch.float32], result.exact_diff
+    assert ne_calls == [] and result.ne_gap == 0.0
+    assert result.gain_vs_reference_interval is not None  # the graph reference ran beside it
