@@ -5,8 +5,12 @@ hand-written training loop, the eager baseline (engine, no cuts), the whole-step
 baseline, ERASE blocking / threaded / per-cut graphs, and whole-step graph with the cut
 modules placed on side streams only (not detached: gradients unchanged), detached only (one
 stream, no early launch), or with full ERASE. All variants start from the same weights, see the same
-batches, and are timed in alternating windows in one process; every speed-up is a
-per-window ratio against the eager and the graph baseline, reported as median [lo, hi].
+batches, and are timed in alternating windows in one process, by the sequential protocol every
+gain comes from (:func:`erase_tune.measure.measure_gains`: every row against the eager baseline,
+and the graph baseline where it runs; at least ``budget.windows`` windows, then each row until
+its gain's 95% interval over the eager baseline is at most ``±budget.halfwidth``, at most
+``budget.max_windows``); every speed-up is a per-window ratio of window-median QPS against the
+eager and the graph baseline, reported as median [lo, hi] over the windows.
 With ``trace_dir`` the ERASE variants are then profiled for a few steps and the cross-stream
 overlap (overlapped time / side-stream busy time) is read off the trace.
 
@@ -39,13 +43,13 @@ import torch
 
 from erase_tune.errors import EraseTuneError, one_line, shown
 from erase_tune.measure import (
+    measure_gains,
     profile_steps,
     provenance,
     qps_summary,
-    ratio_spread,
-    time_interleaved,
 )
 from erase_tune.measure.hostcpu import host_cpu_interleaved, host_tax
+from erase_tune.measure.protocol import ProtocolResult
 from erase_tune.runtime import Cut, ErasePlan, Placement
 from erase_tune.runtime.probe import probe
 from erase_tune.runtime.device import resolve_device
@@ -295,6 +299,8 @@ def run_bench(
         plans = {n: p for n, p in plans.items() if n in only or n in (EAGER, GRAPH)}
     if graph_error is not None:
         plans = {n: p for n, p in plans.items() if p is None or not p.whole_step_graph}
+    if len(plans) == 1:
+        raise EraseTuneError(f"bench: --only must name a variant besides the {EAGER}, to compare with it")
     for p in plans.values():
         if p is not None:
             p.check_model(init)
@@ -304,8 +310,12 @@ def run_bench(
         for name, plan in plans.items():
             runners[name] = (_PlainLoop(workload, init, data, device) if plan is None
                              else Variant(plan=plan, engine=build_engine(workload, plan, init, data, device), data=data))
-        timings = time_interleaved(runners, device=device, warmup_steps=budget.warmup_steps,
-                                   windows=budget.windows, window_steps=budget.window_steps)
+        over = (EAGER, GRAPH) if GRAPH in runners else (EAGER,)
+        pairs = {name: tuple(o for o in over if o != name) for name in runners}
+        measured = measure_gains(runners, device=device, warmup_steps=budget.warmup_steps,
+                                 window_steps=budget.window_steps, rule=budget.stop_rule(),
+                                 pairs={name: refs for name, refs in pairs.items() if refs})
+        timings = measured.timings
         host = {n: runners[n] for n in HOST_ROWS if n in runners}
         cpu = host_cpu_interleaved(host, device=device, warmup_steps=1,
                                    windows=max(budget.windows * budget.window_steps, HOST_STEPS), window_steps=1,
@@ -325,15 +335,13 @@ def run_bench(
     plain = timings.variants.get(PLAIN)
     for name, t in timings.variants.items():
         s = qps_summary(t.steps_s, batch)
-        ve = ratio_spread(t, timings.variants[EAGER], batch)
-        vg = ratio_spread(t, timings.variants[GRAPH], batch) if GRAPH in timings.variants else None
         plan = plans[name]
         rows.append(BenchRow(
             name=name,
             plan=plan.describe() if plan is not None else "hand-written loop, no engine",
             p90_qps=s.p90, median_qps=s.median,
-            vs_eager=(ve.median, ve.lo, ve.hi),
-            vs_graph=(vg.median, vg.lo, vg.hi) if vg else None,
+            vs_eager=_spread(measured, name, EAGER),
+            vs_graph=_spread(measured, name, GRAPH) if GRAPH in timings.variants else None,
             overlap=overlap.get(name),
             ms_per_step=statistics.median(t.steps_s) * 1e3,
             vs_plain_us=_window_difference(t, plain) * 1e6 if plain is not None else None,
@@ -351,6 +359,14 @@ def run_bench(
         graph_error=graph_error,
         host_cpu=cpu.how if cpu is not None else None,
     )
+
+
+def _spread(measured: ProtocolResult, name: str, over: str) -> tuple[float, float, float]:
+    """(median, lo, hi) over windows of ``name``'s window-median QPS ratio to ``over``'s (1 for itself)."""
+    if name == over:
+        return (1.0, 1.0, 1.0)
+    ratios = [1.0 + g for g in measured.vs(name, over).per_window]
+    return (statistics.median(ratios), min(ratios), max(ratios))
 
 
 def _window_difference(t: Any, plain: Any) -> float:

@@ -3,9 +3,16 @@
 A study measures each plan once, in its own trial, and a single measurement can be lucky
 (the CPU-launch-bound eager baseline drifts from window to window and trial to trial). So
 before a plan is exported, the plans on the front are timed again, all in ONE process,
-interleaved with the baseline in alternating windows (the same protocol as a trial), for
-``windows`` more windows. Each plan's gain is then known per window; the reported gain is
-the mean of the per-window gains of p90 QPS with a 95% Student-t interval over windows.
+interleaved with the baseline in alternating windows, by the same sequential protocol as a
+trial (:func:`erase_tune.measure.measure_gains`, every plan against the one baseline): at least
+``windows`` windows, then on for each plan until its gain's 95% interval is at most
+``±halfwidth`` (±2% by default: tighter than a search's ±3%) or ``max_windows``. A plan whose
+interval is narrow leaves the rotation; the baseline runs while any plan does.
+
+A plan's gain in one window is the ratio of the window medians of per-step QPS, plan over
+baseline, minus 1 (the median of a window: one slow step does not move it; this was the p90 of
+the window before the sequential protocol). The reported gain is the mean of those per-window
+gains with a 95% Student-t interval over windows.
 
 A plan whose interval includes 0 has not shown a gain, and the export refuses to call it
 one. A plan that *is* the baseline (no cuts, no placements, the baseline's own execution)
@@ -19,26 +26,26 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import torch
 
 from erase_tune.errors import EraseTuneError
-from erase_tune.measure import provenance, ratio_spread, time_interleaved
+from erase_tune.measure import StopRule, measure_gains, provenance
+from erase_tune.measure.protocol import STOPS
 from erase_tune.runtime import ErasePlan
 from erase_tune.runtime.device import resolve_device
-from erase_tune.trial import Budget, Variant, build_engine, jsonable_args, ranks_of, release
+from erase_tune.trial import (
+    GAIN_OVER,
+    Budget,
+    Variant,
+    agree_with_rank0,
+    build_engine,
+    jsonable_args,
+    ranks_of,
+    release,
+)
 from erase_tune.workloads import Workload
 
-__all__ = ["GAIN_OVER", "PlanConfirmation", "ConfirmResult", "baseline_plan", "confirm_plans", "t_interval"]
-
-GAIN_OVER = ("eager", "graph")
-"""``eager``: over the plain engine with no cuts. ``graph``: over the whole step captured as
-one CUDA graph with no cuts (CUDA only)."""
-
-# Two-sided 97.5% quantiles of Student's t by degrees of freedom (1..30); beyond, the normal's.
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
-         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
-         2.045, 2.042)
+__all__ = ["GAIN_OVER", "PlanConfirmation", "ConfirmResult", "baseline_plan", "confirm_plans"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -46,18 +53,25 @@ class PlanConfirmation:
     """One plan's confirmed gain over the baseline."""
 
     gain: float
-    """Mean over windows of the per-window p90-QPS gain."""
+    """Mean over windows of the per-window gain (window-median QPS ratio over the baseline, minus 1)."""
     lo: float
+    """Lower end of the 95% interval of that mean."""
     hi: float
-    """95% interval of that mean."""
+    """Upper end of that interval."""
     per_window: tuple[float, ...]
+    """The per-window gains, in window order (empty for the baseline itself)."""
+    windows: int
+    """Windows the plan was timed over (0: the baseline itself, not timed)."""
+    stopped: str
+    """Why its timing stopped: ``narrow`` (interval within ±halfwidth) or ``cap``; ``""`` for the baseline itself."""
     is_baseline: bool = False
     """The plan is the baseline itself: nothing to time, the gain is 0."""
 
-    @property
-    def shows_gain(self) -> bool:
-        """The whole interval lies above 0."""
-        return not self.is_baseline and self.lo > 0
+    def __post_init__(self) -> None:
+        if self.is_baseline != (self.windows == 0) or (self.stopped == "") != self.is_baseline:
+            raise ValueError("PlanConfirmation: the baseline itself has no windows and no stop reason; a timed plan has both")
+        if self.stopped and self.stopped not in STOPS:
+            raise ValueError(f"PlanConfirmation: stopped {self.stopped!r} is not one of {', '.join(STOPS)}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -66,6 +80,9 @@ class ConfirmResult:
 
     gain_over: str
     windows: int
+    """The most windows any plan was timed over; when none was (every plan is the baseline itself,
+    whose gain is 0 without timing), the minimum asked for, so that the confirmation counts as
+    one of at least that many windows."""
     plans: Mapping[str, PlanConfirmation]
     samples: Mapping[str, Mapping[str, list]]
     """Per variant (``baseline`` and each plan): ``{"steps_s": [...], "window": [...]}``."""
@@ -79,34 +96,32 @@ def baseline_plan(gain_over: str) -> ErasePlan:
     return ErasePlan(whole_step_graph=gain_over == "graph")
 
 
-def t_interval(values: list[float]) -> tuple[float, float, float]:
-    """Mean and two-sided 95% Student-t interval; one value gives a zero-width interval."""
-    x = np.asarray(values, dtype=np.float64)
-    mean = float(x.mean())
-    if x.size < 2:
-        return mean, mean, mean
-    df = x.size - 1
-    t = _T975[df - 1] if df <= len(_T975) else 1.96
-    half = t * float(x.std(ddof=1)) / math.sqrt(x.size)
-    return mean, mean - half, mean + half
-
-
 def confirm_plans(
     workload: Workload,
     plans: Mapping[str, ErasePlan],
     *,
     budget: Budget,
     windows: int,
+    max_windows: int = 40,
+    halfwidth: float = 0.02,
     gain_over: str = "eager",
     device: str | torch.device | None = None,
     process_group: Any = None,
 ) -> ConfirmResult:
     """Time every plan in ``plans`` against the ``gain_over`` baseline in one process,
-    interleaved, for ``windows`` windows of ``budget.window_steps`` steps after
-    ``budget.warmup_steps`` warm-up steps each. ``process_group``: as one rank of a
-    data-parallel trial (see :func:`erase_tune.trial.run_trial`)."""
+    interleaved, in windows of ``budget.window_steps`` steps after ``budget.warmup_steps``
+    warm-up steps each: at least ``windows`` windows, then each plan until its gain's 95%
+    interval is at most ``±halfwidth``, at most ``max_windows``. ``process_group``: as one rank
+    of a data-parallel trial (see :func:`erase_tune.trial.run_trial`; every rank acts on rank 0's
+    window gains)."""
     if isinstance(windows, bool) or not isinstance(windows, int) or windows < 2:
         raise EraseTuneError(f"--repeats: {windows!r} must be an integer >= 2 (an interval needs two windows)")
+    if isinstance(max_windows, bool) or not isinstance(max_windows, int) or max_windows < windows:
+        raise EraseTuneError(f"max_windows: {max_windows!r} must be an integer >= the minimum windows ({windows})")
+    if isinstance(halfwidth, bool) or not isinstance(halfwidth, (int, float)) or not (
+            math.isfinite(halfwidth) and 0 < halfwidth < 1):
+        raise EraseTuneError(f"halfwidth: {halfwidth!r} must be a number in (0, 1), e.g. 0.02 for ±2%")
+    rule = StopRule(min_windows=windows, max_windows=max_windows, halfwidth=halfwidth)
     device = resolve_device(device)
     base = baseline_plan(gain_over)
     if base.whole_step_graph and device.type != "cuda":
@@ -120,29 +135,34 @@ def confirm_plans(
         p.check_model(init)
     rank, world = ranks_of(process_group)
     variants: dict[str, Variant] = {}
-    try:
-        for name, p in timed.items():
-            variants[name] = Variant(plan=p, engine=build_engine(workload, p, init, data, device, process_group),
-                                     data=data, rank=rank, world=world)
-        timings = time_interleaved(variants, device=device, warmup_steps=budget.warmup_steps, windows=windows,
-                                   window_steps=budget.window_steps)
-    finally:
-        release(variants.values(), device)
-        variants.clear()
-    batch = workload.batch_size * world
+    measured = None
+    if len(timed) > 1:  # something to compare with the baseline
+        try:
+            for name, p in timed.items():
+                variants[name] = Variant(plan=p, engine=build_engine(workload, p, init, data, device, process_group),
+                                         data=data, rank=rank, world=world)
+            measured = measure_gains(
+                variants, device=device, warmup_steps=budget.warmup_steps, window_steps=budget.window_steps,
+                rule=rule, pairs={name: "baseline" for name in timed if name != "baseline"},
+                agree=agree_with_rank0(device, process_group) if process_group is not None else None,
+            )
+        finally:
+            release(variants.values(), device)
+            variants.clear()
     out: dict[str, PlanConfirmation] = {}
     for name in plans:
         if name in same:
-            out[name] = PlanConfirmation(gain=0.0, lo=0.0, hi=0.0, per_window=(), is_baseline=True)
+            out[name] = PlanConfirmation(gain=0.0, lo=0.0, hi=0.0, per_window=(), windows=0, stopped="",
+                                         is_baseline=True)
             continue
-        spread = ratio_spread(timings.variants[name], timings.variants["baseline"], batch, statistic="p90")
-        gains = [r - 1.0 for r in spread.per_window]
-        mean, lo, hi = t_interval(gains)
-        out[name] = PlanConfirmation(gain=mean, lo=lo, hi=hi, per_window=tuple(gains))
+        assert measured is not None  # a plan that is not the baseline was timed
+        g = measured.gains[name]
+        out[name] = PlanConfirmation(gain=g.gain, lo=g.lo, hi=g.hi, per_window=g.per_window, windows=g.windows,
+                                     stopped=g.stopped)
     return ConfirmResult(
-        gain_over=gain_over, windows=windows, plans=out,
-        samples={k: v.to_dict() for k, v in timings.variants.items()},
+        gain_over=gain_over, windows=measured.rounds if measured is not None else windows, plans=out,
+        samples={k: v.to_dict() for k, v in measured.timings.variants.items()} if measured is not None else {},
         provenance=provenance(device, workload=workload.name, workload_args=jsonable_args(workload.args),
-                              budget=dataclasses.asdict(budget), windows=windows, gain_over=gain_over,
-                              ranks=world),
+                              budget=dataclasses.asdict(budget), windows=windows, max_windows=max_windows,
+                              halfwidth=halfwidth, gain_over=gain_over, ranks=world),
     )

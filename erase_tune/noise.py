@@ -16,7 +16,9 @@ floor judges noise. So before a study's trials the noise floor is measured:
 
 A plan is then judged infeasible only when its gap exceeds ``max_ne_gap + band``, and a plan
 that is exact by construction (no cuts: placements and graphed pieces only, with or without
-the whole-step graph) is never judged on its gap at all (:func:`exact_by_construction`).
+the whole-step graph) is never judged on its gap at all (:func:`exact_by_construction`, defined
+with the trial, which checks it: :func:`erase_tune.trial.run_trial` compares such a plan's
+gradients with the baseline's and, when they agree, does not train it for NE at all).
 
 Quality confirmation (:func:`confirm_quality`) trains finalists longer, over several seeds,
 against the baseline trained the same way, and reports each NE gap with a 95% interval.
@@ -32,9 +34,8 @@ from typing import Any
 
 import torch
 
-from erase_tune.confirm import t_interval
 from erase_tune.errors import EraseTuneError
-from erase_tune.measure import provenance
+from erase_tune.measure import provenance, t_interval
 from erase_tune.runtime import ErasePlan
 from erase_tune.runtime.device import resolve_device
 from erase_tune.trial import (
@@ -43,6 +44,7 @@ from erase_tune.trial import (
     TrialFailed,
     build_engine,
     check_workload_loss,
+    exact_by_construction,
     jsonable_args,
     reference_capture_error,
     ranks_of,
@@ -52,13 +54,6 @@ from erase_tune.workloads import Workload, WorkloadData
 
 __all__ = ["NoiseFloor", "QualityConfirmation", "QualityResult", "measure_noise_floor", "confirm_quality",
            "exact_by_construction", "feasible", "train_ne", "MAX_REPEATS"]
-
-
-
-def exact_by_construction(plan: ErasePlan) -> bool:
-    """A plan with no cuts detaches nothing: placements and graphed pieces keep every gradient,
-    so its training is the baseline's mathematics and any NE gap it measures is noise."""
-    return not plan.cuts
 
 
 def feasible(ne_gap: float, max_ne_gap: float, band: float = 0.0, *, exact: bool = False) -> bool:

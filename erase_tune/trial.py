@@ -4,16 +4,30 @@ The numbers users act on come from here, so the protocol follows the measurement
 rules of docs/design.md: baseline (no cuts), candidate, its "detach only" twin (same cuts, no early launch)
 and the best non-detached reference (whole-step CUDA graph, no cuts; CUDA only) all start
 from the same weights, see the same batches, and are timed on the device in alternating
-windows after warm-up. Gains are ratios of those samples: p90 and median of per-step QPS,
-with the spread of the per-window ratio. Quality is held-out NE of baseline and candidate
-after the same training steps; the NE gap is ``(NE_cand - NE_base) / NE_base``.
+windows after warm-up, by the one sequential protocol (:func:`erase_tune.measure.measure_gains`):
+at least ``budget.windows`` rounds, then on until the candidate's gain over the ``gain_over``
+baseline has a 95% interval of at most ``±budget.halfwidth``, its upper bound falls below
+``stop_below`` (racing: it cannot reach the study's front), or ``budget.max_windows``. The
+twin, the reference and the baseline run as long as the candidate does. The gain a study ranks
+by is the mean of the per-window gains (window-median QPS ratios), with its interval; the
+paper's p90 of pooled per-step QPS and the median are reported beside it.
+
+Quality is held-out NE of baseline and candidate after the same ``budget.training_steps``
+(the quality phase trains on where the timing stopped); the NE gap is
+``(NE_cand - NE_base) / NE_base``. A plan that changes no gradient (:func:`exact_by_construction`:
+placements, graphed pieces, the whole-step graph, the empty plan) pays for speed only: its
+gradients after the last warm-up step are compared with the baseline's (same step, same batch;
+the warm-up covers graph capture and a replay), and when they agree (:func:`gradient_difference`)
+it is recorded exact, NE gap 0, and trained no further. One that disagrees is measured for NE
+like a plan with cuts.
 
 With ``process_group`` (a trial of k ranks): every rank runs the same protocol, every variant
 (baseline included) averages its gradients across the group (:class:`EraseEngine`'s
 ``process_group``), rank r trains step s on batch ``s·k + r`` (each rank a full ``batch``: the
 workload's batch is per rank), and QPS counts all ranks' examples (k·batch per step, timed on
-this rank; the step's collectives keep the ranks in step). Every rank returns the same NE;
-the service keeps rank 0's result.
+this rank; the step's collectives keep the ranks in step). Every rank acts on rank 0's window
+gains, so all stop timing at the same round; every rank returns the same NE; the service keeps
+rank 0's result.
 
 Not every step can be captured whole (a forward that builds an index tensor on the host, as the
 reference DLRM's interaction does, or reads a value back). :func:`reference_capture_error`
@@ -29,13 +43,13 @@ import dataclasses
 import gc
 import math
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from erase_tune.errors import CaptureError, EraseTuneError, one_line
-from erase_tune.measure import provenance, qps_summary, ratio_spread, time_interleaved
+from erase_tune.errors import CaptureError, EraseTuneError, one_line, shown
+from erase_tune.measure import GainEstimate, StopRule, measure_gains, provenance, qps_summary
 from erase_tune.measure.stats import gain
 from erase_tune.runtime import EraseEngine, ErasePlan
 from erase_tune.runtime.device import resolve_device
@@ -45,7 +59,8 @@ from erase_tune.workloads.limits import MAX_SEED
 
 __all__ = ["Budget", "VariantResult", "TrialResult", "TrialFailed", "run_trial", "build_engine", "Variant", "jsonable_args",
            "release", "reference_capture_error", "UNKNOWN", "BASELINE"]
-__all__ += ["check_workload_loss", "MAX_REPEATS"]
+__all__ += ["check_workload_loss", "MAX_REPEATS", "GAIN_OVER", "exact_by_construction", "gradient_difference",
+            "agree_with_rank0", "EXACT_RTOL"]
 
 GRAPH_WARMUP = 3
 """Eager steps an engine runs before capturing a CUDA graph (capture happens on the next)."""
@@ -56,6 +71,21 @@ MAX_REPEATS = 100
 _REPEATS = ("noise_repeats", "quality_scale", "quality_seeds")
 BASELINE = "baseline"
 """The variant every trial of a workload shares: a failure that names it fails every trial."""
+GAIN_OVER = ("eager", "graph")
+"""``eager``: over the plain engine with no cuts. ``graph``: over the whole step captured as
+one CUDA graph with no cuts (CUDA only)."""
+EXACT_RTOL = {torch.float64: 1e-9, torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+"""How far a gradient of a plan exact by construction may be from the baseline's, relative to the
+gradient's largest magnitude, by the gradient's dtype (other dtypes: bitwise). The same
+mathematics gives the same bits when the same kernels run in the same order (the CPU, eager
+placements); it need not when they do not: a graphed piece or the whole-step graph launches
+other kernels (and its capturable optimizer leaves weights an ulp apart after a step), an
+embedding's backward accumulates with atomics. That costs a few ulps per element, relayed
+through a few steps: float32's ulp is 1.2e-7 (1e-5 is ~80 of them), float64's 2.2e-16, bf16's
+7.8e-3 and fp16's 9.8e-4 (1e-2: about one). A cut removes whole terms of a gradient, which
+moves it by far more. A model computing in bf16 under autocast keeps float32 parameters and
+gradients and is held to float32's tolerance: a graphed variant of it that misses it is measured
+for NE like a plan with cuts (slower, never wrong)."""
 
 
 class _Unknown:
@@ -80,7 +110,12 @@ class Budget:
     warmup_steps: int = 8
     """Untimed steps per variant first (covers graph warm-up and capture)."""
     windows: int = 4
-    """Alternating timing rounds; each variant runs one window per round."""
+    """Alternating timing rounds at least (each variant runs one window per round); the trial then
+    times on until its gain's interval is narrow (``halfwidth``), it loses its race, or ``max_windows``."""
+    max_windows: int = 20
+    """Timing rounds at most (>= windows; equal: a fixed number of windows, as before)."""
+    halfwidth: float = 0.03
+    """A trial stops timing once its gain's 95% interval is at most ± this (0 < h < 1; 0.03 = ±3%)."""
     window_steps: int = 10
     """Timed steps per window."""
     quality_steps: int = 0
@@ -100,13 +135,13 @@ class Budget:
     """Seeds (data orders) of the quality confirmation; its NE gap interval is over these."""
 
     def __post_init__(self) -> None:
-        for name in ("warmup_steps", "windows", "window_steps", "quality_steps", "seed", "noise_repeats",
-                     "quality_scale", "quality_seeds"):
+        for name in ("warmup_steps", "windows", "max_windows", "window_steps", "quality_steps", "seed",
+                     "noise_repeats", "quality_scale", "quality_seeds"):
             value = getattr(self, name)
             top = MAX_SEED if name == "seed" else MAX_REPEATS if name in _REPEATS else MAX_STEPS
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= top:
-                shown = "a huge integer" if isinstance(value, int) and abs(value) > 10**12 else repr(value)
-                raise EraseTuneError(f"budget.{name}: {shown} must be an integer in 0..{top}")
+                text = "a huge integer" if isinstance(value, int) and abs(value) > 10**12 else repr(value)
+                raise EraseTuneError(f"budget.{name}: {text} must be an integer in 0..{top}")
         if self.warmup_steps < GRAPH_WARMUP + 2:
             raise EraseTuneError(
                 f"budget.warmup_steps: {self.warmup_steps} is too short; CUDA graphs need {GRAPH_WARMUP + 2} "
@@ -114,14 +149,33 @@ class Budget:
             )
         if self.windows < 1 or self.window_steps < 1:
             raise EraseTuneError("budget.windows and budget.window_steps must be >= 1")
+        if self.max_windows < self.windows:
+            raise EraseTuneError(f"budget.max_windows: {self.max_windows} must be >= budget.windows ({self.windows})")
+        h = self.halfwidth
+        if isinstance(h, bool) or not isinstance(h, (int, float)) or not math.isfinite(h) or not 0 < h < 1:
+            raise EraseTuneError(f"budget.halfwidth: {shown(h)} must be a number in (0, 1), e.g. 0.03 for ±3%")
         if self.quality_scale and not self.quality_seeds:
             raise EraseTuneError("budget.quality_seeds: must be >= 1 when budget.quality_scale is set (0 turns "
                                  "quality confirmation off)")
 
     @property
     def training_steps(self) -> int:
-        """Steps baseline and candidate have trained for when NE is measured."""
-        return self.warmup_steps + self.windows * self.window_steps + self.quality_steps
+        """Steps a trial trains at most: warm-up + ``max_windows`` × ``window_steps`` + ``quality_steps``.
+        Baseline and candidate have trained exactly this many when NE is measured (the quality
+        phase trains on from wherever the timing stopped), so every trial's NE, a cached baseline
+        NE and the noise floor are after the same training; a plan verified exact is not trained
+        for NE and stops where its timing did (at least :attr:`min_training_steps`)."""
+        return self.warmup_steps + self.max_windows * self.window_steps + self.quality_steps
+
+    @property
+    def min_training_steps(self) -> int:
+        """Steps every timed variant trains at least: warm-up + ``windows`` × ``window_steps``."""
+        return self.warmup_steps + self.windows * self.window_steps
+
+    def stop_rule(self, below: float | None = None) -> StopRule:
+        """The protocol's stop rule for this budget (``below``: the racing bound, if any)."""
+        return StopRule(min_windows=self.windows, max_windows=self.max_windows, halfwidth=self.halfwidth,
+                        below=below)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -145,18 +199,38 @@ class TrialResult:
     batch_size: int
     variants: Mapping[str, VariantResult]
     """``baseline``, ``candidate`` and, where run, ``detach_only`` and ``reference``."""
-    ne_baseline: float
-    ne_candidate: float
+    ne_baseline: float | None
+    """The baseline's held-out NE; for a plan verified exact, the cached one if given, else None."""
+    ne_candidate: float | None
+    """The candidate's held-out NE; for a plan verified exact (not trained for NE), ``ne_baseline``."""
     ne_gap: float
+    """``(NE_cand - NE_base) / NE_base``; 0 for a plan verified exact."""
+    gain: float
+    """Candidate over the ``gain_over`` baseline: mean of the per-window median-QPS gains (what a study ranks by)."""
+    gain_lo: float
+    """Lower end of the 95% interval of ``gain``."""
+    gain_hi: float
+    """Upper end of the 95% interval of ``gain``."""
+    windows: int
+    """Timing windows (rounds) the candidate ran."""
+    stopped: str
+    """Why timing stopped: ``narrow`` (interval within ±budget.halfwidth), ``behind`` (below the race bound) or ``cap``."""
     gain_p90: float
     """Candidate over baseline, p90 of per-step QPS (the paper's headline statistic)."""
     gain_median: float
+    """Candidate over baseline, median of pooled per-step QPS."""
     gain_spread: tuple[float, float]
     """Lowest and highest per-window median-QPS gain over baseline."""
     gain_vs_reference: float | None
     """Candidate over the whole-step-graph baseline (p90), where that ran."""
+    gain_vs_reference_interval: tuple[float, float, float] | None
+    """Candidate over the whole-step-graph baseline: (gain, lo, hi) as for ``gain``, where that ran."""
     gain_detach_only: float | None
     """Detach-only twin over baseline (p90): the part of the gain that is work removed."""
+    exact: bool
+    """The plan changes no gradient, checked: its gradients after the last warm-up step equal the baseline's."""
+    exact_diff: float | None
+    """Largest relative gradient difference the exactness check found (None: not checked, the plan has cuts)."""
     duration_s: float
     provenance: Mapping[str, Any]
     reference_error: str | None = None
@@ -169,24 +243,6 @@ class TrialResult:
         out["plan"] = self.plan.to_dict()
         out["variants"] = {k: dataclasses.asdict(v) for k, v in self.variants.items()}
         out["provenance"] = dict(self.provenance)
-        return out
-
-    def metrics(self) -> dict[str, float | None]:
-        """The flat numbers a study records (no samples)."""
-        out: dict[str, float | None] = {
-            "gain_p90": self.gain_p90,
-            "gain_median": self.gain_median,
-            "gain_lo": self.gain_spread[0],
-            "gain_hi": self.gain_spread[1],
-            "gain_vs_reference": self.gain_vs_reference,
-            "gain_detach_only": self.gain_detach_only,
-            "ne_baseline": self.ne_baseline,
-            "ne_candidate": self.ne_candidate,
-            "ne_gap": self.ne_gap,
-        }
-        for name, v in self.variants.items():
-            out[f"{name}_p90_qps"] = v.p90_qps
-            out[f"{name}_median_qps"] = v.median_qps
         return out
 
 
@@ -235,6 +291,12 @@ def ranks_of(process_group: Any) -> tuple[int, int]:
     return dist.get_rank(process_group), dist.get_world_size(process_group)
 
 
+def exact_by_construction(plan: ErasePlan) -> bool:
+    """A plan with no cuts detaches nothing: placements and graphed pieces keep every gradient,
+    so its training is the baseline's mathematics and any NE gap it measures is noise."""
+    return not plan.cuts
+
+
 def run_trial(
     workload: Workload,
     plan: ErasePlan,
@@ -244,6 +306,8 @@ def run_trial(
     baseline_ne: float | None = None,
     process_group: Any = None,
     reference_error: str | None | _Unknown = UNKNOWN,
+    gain_over: str = "eager",
+    stop_below: float | None = None,
 ) -> TrialResult:
     """Measure ``plan`` on ``workload`` against the baseline; see the module docstring.
 
@@ -254,15 +318,29 @@ def run_trial(
     with the same arguments. ``reference_error``: what :func:`reference_capture_error` said for
     this workload and device (the service tries it once per job): None, the reference runs; a
     reason, it is left out and the reason recorded. Left :data:`UNKNOWN`, the trial tries the
-    capture itself first (only when ``budget.reference`` and on CUDA).
+    capture itself first (only when ``budget.reference`` and on CUDA). ``gain_over``: which
+    gain's interval decides when timing stops, and which one ``TrialResult.gain`` is: ``eager``
+    (over the baseline) or ``graph`` (over the whole-step-graph reference, which must run).
+    ``stop_below``: the racing bound: timing stops once the gain's upper bound is below it.
     """
     started = time.perf_counter()
+    if gain_over not in GAIN_OVER:
+        raise EraseTuneError(f"gain_over: {shown(gain_over)} is not one of {', '.join(GAIN_OVER)}")
+    if stop_below is not None and (isinstance(stop_below, bool) or not isinstance(stop_below, (int, float))
+                                   or not math.isfinite(stop_below)):
+        raise EraseTuneError(f"stop_below: {shown(stop_below)} must be a finite gain or None")
     device = resolve_device(device)
     with_reference = budget.reference and device.type == "cuda"
+    if gain_over == "graph" and not with_reference:
+        why = "budget.reference is off" if not budget.reference else f"it needs CUDA, not {device.type}"
+        raise EraseTuneError(f"gain_over: graph needs the whole-step-graph reference, which does not run here ({why})")
     if isinstance(reference_error, _Unknown):
         ref_error = reference_capture_error(workload, device, seed=budget.seed) if with_reference else None
     else:
         ref_error = reference_error
+    if gain_over == "graph" and ref_error is not None:
+        raise EraseTuneError("gain_over: graph needs the whole-step-graph reference, which cannot be captured for "
+                             f"this workload ({ref_error}): use gain_over: eager")
     torch.manual_seed(budget.seed)
     data = workload.make_data(device)
     init = workload.build_model()
@@ -274,43 +352,72 @@ def run_trial(
         plans["detach_only"] = plan.detach_only()
     if with_reference and ref_error is None:
         plans["reference"] = ErasePlan(whole_step_graph=True)
+    over = ("baseline",) if "reference" not in plans else ("baseline", "reference")
+    pairs: dict[str, tuple[str, ...]] = {"candidate": over if gain_over == "eager" else over[::-1]}
+    if "detach_only" in plans:
+        pairs["detach_only"] = ("baseline",)
+    checked: list[float] = []  # the exactness check's largest difference, once it ran
+    exact_ok: list[bool] = []
     variants: dict[str, Variant] = {}
+
+    def check_exact() -> None:
+        """After the warm-up: the candidate's gradients of the last warm-up step against the baseline's."""
+        diff, ok = gradient_difference(variants["candidate"].engine.model, variants["baseline"].engine.model)
+        if process_group is not None:  # every rank decides the same (rank-local kernels may differ)
+            diff, ok = _agree_worst(diff, ok, device, process_group)
+        checked.append(diff)
+        exact_ok.append(ok)
+
     try:
         for name, p in plans.items():
             variants[name] = Variant(plan=p, engine=build_engine(workload, p, init, data, device, process_group),
                                      data=data, rank=rank, world=world)
             if name == "baseline":  # before any cut's aux head is sized: a bad loss is the loss's fault
                 check_workload_loss(workload, variants[name].engine.model, data)
-        timings = time_interleaved(
-            variants, device=device, warmup_steps=budget.warmup_steps,
-            windows=budget.windows, window_steps=budget.window_steps,
+        measured = measure_gains(
+            variants, device=device, warmup_steps=budget.warmup_steps, window_steps=budget.window_steps,
+            rule=budget.stop_rule(below=stop_below), pairs=pairs, deciding=("candidate",),
+            after_warmup=check_exact if exact_by_construction(plan) else None,
+            agree=agree_with_rank0(device, process_group) if process_group is not None else None,
         )
         for name, v in variants.items():
             _check_finite(name, v, process_group)
-        step = timings.next_step
-        quality = ("candidate",) if baseline_ne is not None else ("baseline", "candidate")
-        for _ in range(budget.quality_steps):
+        exact = bool(exact_ok and exact_ok[0])
+        ne: dict[str, float | None] = {"baseline": baseline_ne, "candidate": baseline_ne}
+        if not exact:
+            quality = ("candidate",) if baseline_ne is not None else ("baseline", "candidate")
+            # On to the same training length whatever the timing ran: NE compares across trials.
+            for step in range(min(measured.next_steps[n] for n in quality), budget.training_steps):
+                for name in quality:
+                    if step >= measured.next_steps[name]:
+                        variants[name](step)
             for name in quality:
-                variants[name](step)
-            step += 1
-        ne = {"baseline": baseline_ne}
-        for name in quality:
-            _check_finite(name, variants[name], process_group)
-            ne[name] = workload.normalized_entropy(variants[name].engine.model, data)
-            if not math.isfinite(ne[name]):
-                raise TrialFailed(f"{name}: held-out NE is {ne[name]}")
+                _check_finite(name, variants[name], process_group)
+                value = workload.normalized_entropy(variants[name].engine.model, data)
+                if not math.isfinite(value):
+                    raise TrialFailed(f"{name}: held-out NE is {value}")
+                ne[name] = value
     finally:
         release(variants.values(), device)
         variants.clear()
 
+    timings = measured.timings
     batch = workload.batch_size * world  # all ranks' examples per step
     results = {}
     for name, t in timings.variants.items():
         s = qps_summary(t.steps_s, batch)
         results[name] = VariantResult(name=name, plan=plans[name].describe(), p90_qps=s.p90, median_qps=s.median,
                                       steps_s=t.steps_s, window=t.window)
-    spread = ratio_spread(timings.variants["candidate"], timings.variants["baseline"], batch)
+    primary = measured.gains["candidate"]
+    eager = measured.vs("candidate", "baseline")
+    vs_ref = measured.vs("candidate", "reference") if "reference" in plans else None
     cand = results["candidate"]
+    trained = budget.training_steps if not exact else measured.next_steps["candidate"]
+    if exact:
+        ne_gap = 0.0
+    else:
+        assert ne["candidate"] is not None and ne["baseline"] is not None
+        ne_gap = (ne["candidate"] - ne["baseline"]) / ne["baseline"]
     return TrialResult(
         workload=workload.name,
         plan=plan,
@@ -318,22 +425,91 @@ def run_trial(
         variants=results,
         ne_baseline=ne["baseline"],
         ne_candidate=ne["candidate"],
-        ne_gap=(ne["candidate"] - ne["baseline"]) / ne["baseline"],
+        ne_gap=ne_gap,
+        gain=primary.gain,
+        gain_lo=primary.lo,
+        gain_hi=primary.hi,
+        windows=primary.windows,
+        stopped=primary.stopped,
         gain_p90=gain(cand.p90_qps, results["baseline"].p90_qps),
         gain_median=gain(cand.median_qps, results["baseline"].median_qps),
-        gain_spread=(spread.lo - 1.0, spread.hi - 1.0),
+        gain_spread=(min(eager.per_window), max(eager.per_window)),
         gain_vs_reference=gain(cand.p90_qps, results["reference"].p90_qps) if "reference" in results else None,
+        gain_vs_reference_interval=_interval(vs_ref) if vs_ref is not None else None,
         gain_detach_only=gain(results["detach_only"].p90_qps, results["baseline"].p90_qps) if "detach_only" in results else None,
+        exact=exact,
+        exact_diff=checked[0] if checked else None,
         duration_s=time.perf_counter() - started,
         provenance=provenance(
             device, workload=workload.name, workload_args=jsonable_args(workload.args),
-            budget=dataclasses.asdict(budget), training_steps=budget.training_steps,
+            budget=dataclasses.asdict(budget), training_steps=trained, gain_over=gain_over, stop_below=stop_below,
             baseline_ne_cached=baseline_ne is not None, ranks=world,
             # > 1 means batches were re-read; a CTR proxy over-fits on a second pass, so NE is then suspect.
-            data_passes=round(budget.training_steps * world / len(data.train), 3),
+            data_passes=round(trained * world / len(data.train), 3),
         ),
         reference_error=ref_error,
     )
+
+
+def gradient_difference(model: torch.nn.Module, reference: torch.nn.Module) -> tuple[float, bool]:
+    """``(largest relative difference, within tolerance)`` between the ``.grad`` of ``model``'s
+    parameters and ``reference``'s, parameter by parameter in registration order (the same model
+    under two plans). Each difference is ``max|a - b| / max(max|a|, max|b|)``; within tolerance
+    means bitwise equal or at most :data:`EXACT_RTOL` of the gradient's dtype. A parameter with no
+    gradient in both is equal; with one in one of them only, it differs wholly (1.0), as does a
+    non-finite difference. One host sync for all parameters."""
+    ours, theirs = list(model.named_parameters()), list(reference.named_parameters())
+    if [n for n, _ in ours] != [n for n, _ in theirs]:
+        return 1.0, False
+    rels: list[torch.Tensor] = []
+    tols: list[float] = []
+    worst_missing = 0.0
+    for (_, p), (_, q) in zip(ours, theirs):
+        a, b = p.grad, q.grad
+        if a is None and b is None:
+            continue
+        if a is None or b is None or a.shape != b.shape or a.dtype != b.dtype:
+            worst_missing = 1.0
+            continue
+        a = a.to_dense() if a.is_sparse else a
+        b = b.to_dense() if b.is_sparse else b
+        diff = (a - b).abs().max() if a.numel() else a.new_zeros(())
+        scale = torch.maximum(a.abs().max(), b.abs().max()) if a.numel() else a.new_ones(())
+        rels.append(torch.where(diff == 0, diff, diff / scale).to(torch.float64).reshape(()))
+        tols.append(EXACT_RTOL.get(a.dtype, 0.0))
+    values = torch.stack(rels).cpu().tolist() if rels else []
+    values = [v if math.isfinite(v) else 1.0 for v in values]
+    ok = worst_missing == 0.0 and all(v <= t for v, t in zip(values, tols))
+    return max([worst_missing, *values]), ok
+
+
+def _interval(e: GainEstimate) -> tuple[float, float, float]:
+    return (e.gain, e.lo, e.hi)
+
+
+def _agree_worst(diff: float, ok: bool, device: torch.device, process_group: Any) -> tuple[float, bool]:
+    """The largest difference and the worst verdict over the ranks of ``process_group``."""
+    import torch.distributed as dist
+
+    flags = torch.tensor([diff, 0.0 if ok else 1.0], dtype=torch.float64, device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=process_group)
+    worst, failed = flags.tolist()
+    return worst, failed == 0.0
+
+
+def agree_with_rank0(device: torch.device, process_group: Any) -> Callable[[list[float]], Sequence[float]]:
+    """``agree`` for :func:`~erase_tune.measure.measure_gains` across ``process_group``: every rank acts
+    on rank 0's window gains, so every rank stops the same runners at the same round."""
+    import torch.distributed as dist
+
+    source = dist.get_global_rank(process_group, 0)
+
+    def agree(gains: list[float]) -> Sequence[float]:
+        values = torch.tensor(gains, dtype=torch.float64, device=device)
+        dist.broadcast(values, src=source, group=process_group)
+        return values.tolist()
+
+    return agree
 
 
 def check_workload_loss(workload: Workload, model: torch.nn.Module, data: WorkloadData) -> None:

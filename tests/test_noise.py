@@ -22,7 +22,7 @@ from erase_tune.runtime import Graphed, Placement
 from erase_tune.trial import Budget, run_trial
 from tests.runtime.transformer import transformer_workload
 
-BUDGET = Budget(warmup_steps=5, windows=1, window_steps=2, quality_steps=8)  # 15 training steps
+BUDGET = Budget(warmup_steps=5, windows=1, max_windows=1, window_steps=2, quality_steps=8)  # 15 training steps
 CPU = torch.device("cpu")
 
 
@@ -101,7 +101,8 @@ def test_the_trial_command_measures_the_noise_floor_when_asked(tmp_path, capsys)
             "--warmup", "5", "--windows", "1", "--window-steps", "1"]
     assert main([*argv, "--noise-floor", "1"]) == 0
     out = capsys.readouterr().out
-    assert "noise floor of the NE gap: ±" in out and "(NE gap of the baseline against itself, 6 steps: order" in out
+    # --windows 1 is the least a trial times; the noise floor trains a trial's most: 5 + 20 × 1 steps.
+    assert "noise floor of the NE gap: ±" in out and "(NE gap of the baseline against itself, 25 steps: order" in out
     assert "exact by construction" in out  # a placement detaches nothing: its gap is noise
     assert main([*argv, "--noise-floor", "-1"]) == 2  # refused before anything trains
     err = capsys.readouterr().err.strip().splitlines()

@@ -2,7 +2,9 @@
 
 These numbers are the product (docs/design.md, "Measurement rules"): baseline and candidate are
 timed in the same process, alternating in windows; throughput is reported as p90 and median
-per-step QPS with its spread over windows; every figure carries its provenance.
+per-step QPS with its spread over windows; every figure carries its provenance. Every gain
+comes from one sequential protocol (:func:`measure_gains`): windows until the gain's 95%
+interval is narrow enough, the plan is behind the bound it races against, or a cap.
 """
 
 from erase_tune.measure.overlap import (
@@ -13,6 +15,7 @@ from erase_tune.measure.overlap import (
     overlap_report,
     profile_steps,
 )
+from erase_tune.measure.protocol import GainEstimate, ProtocolResult, StopRule, measure_gains
 from erase_tune.measure.provenance import provenance
 from erase_tune.measure.stats import (
     QpsSummary,
@@ -22,6 +25,7 @@ from erase_tune.measure.stats import (
     per_step_qps,
     qps_summary,
     ratio_spread,
+    t_interval,
 )
 from erase_tune.measure.timing import (
     InterleavedTimings,
@@ -31,16 +35,20 @@ from erase_tune.measure.timing import (
 )
 
 __all__ = [
+    "GainEstimate",
     "InterleavedTimings",
     "KernelInterval",
     "OverlapReport",
+    "ProtocolResult",
     "QpsSummary",
     "RatioSpread",
     "StepRunner",
+    "StopRule",
     "Timings",
     "WindowedSamples",
     "gain",
     "kernel_intervals_from_trace",
+    "measure_gains",
     "merge_intervals",
     "overlap_report",
     "per_step_qps",
@@ -48,5 +56,6 @@ __all__ = [
     "provenance",
     "qps_summary",
     "ratio_spread",
+    "t_interval",
     "time_interleaved",
 ]

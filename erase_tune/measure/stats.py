@@ -9,6 +9,9 @@ samples a trial stores.
 * A ratio between two variants is taken window by window (docs/design.md: the eager baseline
   drifts between runs, so a ratio is only meaningful between samples taken side by side);
   its spread over windows is what a reader needs to judge a 1-2% gain.
+* :func:`t_interval` is the 95% Student-t interval of a mean over windows (or over seeds): what
+  the sequential protocol (:mod:`erase_tune.measure.protocol`) stops on, and what confirmations
+  report.
 """
 
 from __future__ import annotations
@@ -20,9 +23,16 @@ from typing import Literal, Protocol
 
 import numpy as np
 
-__all__ = ["QpsSummary", "RatioSpread", "WindowedSamples", "per_step_qps", "qps_summary", "ratio_spread", "gain"]
+__all__ = ["QpsSummary", "RatioSpread", "WindowedSamples", "per_step_qps", "qps_summary", "ratio_spread", "gain",
+           "t_interval"]
 
 Statistic = Literal["median", "p90"]
+
+# Two-sided 97.5% quantiles of Student's t by degrees of freedom (1..30); beyond, the normal's
+# (1.96 against 2.042 at 30: an interval of 31+ windows is at most 4% too narrow).
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+         2.045, 2.042)
 
 
 class WindowedSamples(Protocol):
@@ -127,6 +137,22 @@ def gain(a: float, b: float) -> float:
     if not (math.isfinite(a) and math.isfinite(b)) or b <= 0:
         raise ValueError(f"gain: need finite values and a reference > 0, got {a!r} / {b!r}")
     return a / b - 1.0
+
+
+def t_interval(values: Sequence[float]) -> tuple[float, float, float]:
+    """Mean and two-sided 95% Student-t interval of the mean: ``(mean, lo, hi)``. One value gives a
+    zero-width interval (there is no spread to judge it by: callers that stop on the width need
+    at least two)."""
+    x = np.asarray(values, dtype=np.float64)
+    if x.ndim != 1 or x.size == 0:
+        raise ValueError("t_interval: need a non-empty flat sequence of values")
+    mean = float(x.mean())
+    if x.size < 2:
+        return mean, mean, mean
+    df = x.size - 1
+    t = _T975[df - 1] if df <= len(_T975) else 1.96
+    half = t * float(x.std(ddof=1)) / math.sqrt(x.size)
+    return mean, mean - half, mean + half
 
 
 def _by_window(samples: WindowedSamples) -> dict[int, list[float]]:

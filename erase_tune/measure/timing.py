@@ -23,12 +23,13 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["StepRunner", "Timings", "InterleavedTimings", "WindowMeasure", "interleave", "time_interleaved"]
+__all__ = ["StepRunner", "Timings", "InterleavedTimings", "WindowMeasure", "RoundDone", "interleave", "time_interleaved",
+           "window_measure"]
 
 StepRunner = Callable[[int], Any]
 """One full training step for the given global step index; its return value is ignored."""
@@ -61,9 +62,11 @@ class InterleavedTimings:
     variants: dict[str, Timings]
     """Timed samples per runner name, in the order the runners were given."""
     steps_run: int
-    """Training steps each runner has now done (warm-up included); all runners did the same."""
+    """Training steps each runner has now done (warm-up included). All runners did the same in
+    :func:`time_interleaved`; in the sequential protocol, this is the most any runner did (those
+    that stopped early did fewer: ``ProtocolResult.next_steps``)."""
     next_step: int
-    """The global step index each runner would get next: ``start_step + steps_run``."""
+    """``start_step + steps_run``: the global step index the furthest runner would get next."""
     clock: str
     """``"cuda_event"`` or ``"perf_counter"``: which clock produced the samples."""
 
@@ -107,9 +110,7 @@ def time_interleaved(
     _check_count("window_steps", window_steps, minimum=1)
     _check_count("start_step", start_step, minimum=0)
     device = torch.device(device)
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device: {device} is not supported for timing (only cpu and cuda)")
-    window_timer = _cuda_window if device.type == "cuda" else _cpu_window
+    window_timer = window_measure(device)
     names = list(runners)
     samples, labels = interleave(runners, window_timer, device=device, warmup_steps=warmup_steps, windows=windows,
                                  window_steps=window_steps, start_step=start_step)
@@ -127,21 +128,42 @@ WindowMeasure = Callable[[StepRunner, int, int, torch.device], list[float]]
 """``(runner, first step index, steps, device) -> samples``: runs one window and measures it."""
 
 
+def window_measure(device: torch.device) -> WindowMeasure:
+    """The device-side window clock for ``device``: CUDA events on CUDA, the host clock on the CPU."""
+    device = torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device: {device} is not supported for timing (only cpu and cuda)")
+    return _cuda_window if device.type == "cuda" else _cpu_window
+
+
 ORDERS = ("rotate", "shuffle")
 """How :func:`interleave` orders the runners within a round: ``rotate`` (round ``r`` rotated left
 by ``r``), or ``shuffle`` (a fresh order per round, drawn from a fixed seed)."""
 
 
+RoundDone = Callable[[int, Mapping[str, list[float]]], Collection[str]]
+"""``(round index, samples of this round by runner) -> runners that run in the next round``."""
+
+
 def interleave(runners: Mapping[str, StepRunner], window: WindowMeasure, *, device: torch.device,
                warmup_steps: int, windows: int, window_steps: int,
-               start_step: int = 0, order: str = "rotate") -> tuple[dict[str, list[float]], dict[str, list[int]]]:
+               start_step: int = 0, order: str = "rotate", after_warmup: Callable[[], None] | None = None,
+               after_round: RoundDone | None = None) -> tuple[dict[str, list[float]], dict[str, list[int]]]:
     """The schedule of :func:`time_interleaved` with any window measurement: warm-up, a device
-    sync, then ``windows`` rounds. Returns each runner's samples and, per sample, its round.
+    sync, ``after_warmup()``, then at most ``windows`` rounds. Returns each runner's samples and,
+    per sample, its round.
 
     Rotation keeps each runner's predecessor fixed (with three or more runners, ``B`` follows
     ``A`` in every round but one). Where what a runner costs depends on the one before it, as
     host CPU time per single step can, ``order="shuffle"`` gives every runner every predecessor
-    about equally often, in the same order at every call."""
+    about equally often, in the same order at every call.
+
+    ``after_round`` (the sequential protocol, :mod:`erase_tune.measure.protocol`): called after
+    every round with that round's samples, it names the runners that run in the next one (a
+    subset of this round's); the rounds end early when it names none. A runner that leaves
+    keeps the step indices it has used: every runner's calls are still ``start_step``,
+    ``start_step + 1``, ... (the ones that stop early see a prefix of the same batch sequence).
+    The remaining runners are rotated among themselves."""
     if order not in ORDERS:
         raise ValueError(f"order: {order!r} is not one of {', '.join(ORDERS)}")
     names = list(runners)
@@ -155,17 +177,29 @@ def interleave(runners: Mapping[str, StepRunner], window: WindowMeasure, *, devi
             next_index[name] += 1
     # Warm-up work still queued on the device must not leak into the first timed window.
     _synchronize(device)
+    if after_warmup is not None:
+        after_warmup()
+    active = names
     for round_index in range(windows):
-        shift = round_index % len(names)
-        ordered = names[shift:] + names[:shift]
+        if not active:
+            break
+        shift = round_index % len(active)
+        ordered = active[shift:] + active[:shift]
         if order == "shuffle":
             rng.shuffle(ordered)
+        this_round: dict[str, list[float]] = {}
         for name in ordered:
             first = next_index[name]
             got = window(runners[name], first, window_steps, device)
             next_index[name] = first + window_steps
             samples[name].extend(got)
             labels[name].extend([round_index] * len(got))
+            this_round[name] = list(got)
+        if after_round is not None:
+            keep = set(after_round(round_index, this_round))
+            if not keep <= set(active):
+                raise ValueError(f"after_round: {sorted(keep - set(active))} did not run in round {round_index}")
+            active = [name for name in active if name in keep]
     return samples, labels
 
 

@@ -139,3 +139,32 @@ def test_shuffled_rounds_give_every_runner_every_predecessor_where_rotation_give
 def test_rejects_an_unknown_order():
     with pytest.raises(ValueError, match="order: 'random' is not one of rotate, shuffle"):
         _schedule("AB", "random", 1)
+
+
+def test_after_round_drops_runners_and_after_warmup_runs_once_before_the_first_window():
+    calls = []
+    runners = _recording_runners("ABC", calls)
+    events = []
+
+    def window(step, first, count, device):
+        return [float(step(first + k) is None) for k in range(count)]
+
+    def after_round(round_index, got):
+        events.append(("round", round_index, sorted(got)))
+        return {"A", "B"} if round_index == 0 else {"A"}  # C leaves after round 0, B after round 1
+
+    samples, labels = interleave(runners, window, device=torch.device("cpu"), warmup_steps=1, windows=5,
+                                 window_steps=2, after_warmup=lambda: events.append(("warm", len(calls))),
+                                 after_round=after_round)
+    assert events[0] == ("warm", 3)  # every runner's warm-up step, then the hook
+    assert [e[2] for e in events[1:]] == [["A", "B", "C"], ["A", "B"], ["A"], ["A"], ["A"]]
+    assert labels == {"A": [0, 0, 1, 1, 2, 2, 3, 3, 4, 4], "B": [0, 0, 1, 1], "C": [0, 0]}
+    for name in "ABC":  # the ones that left saw a prefix of the same step indices
+        assert [i for n, i in calls if n == name] == list(range(1 + len(labels[name])))
+    with pytest.raises(ValueError, match="did not run"):
+        interleave(runners, window, device=torch.device("cpu"), warmup_steps=0, windows=3, window_steps=1,
+                   after_round=lambda r, got: {"A"} if r == 0 else {"A", "B"})
+    # A hook that names no runner ends the rounds.
+    _, labels = interleave(runners, window, device=torch.device("cpu"), warmup_steps=0, windows=9, window_steps=1,
+                           after_round=lambda r, got: set())
+    assert labels == {"A": [0], "B": [0], "C": [0]}

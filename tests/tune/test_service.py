@@ -52,7 +52,10 @@ def test_start_status_export_train(storage_url, ray_cluster, tmp_path, capsys, p
     assert job.status == "finished" and job.n_trials_target == 6
     o = store.outcome(job, t.number)
     assert o.status == "complete" and o.node and o.provenance["torch"]
-    assert len(o.samples["candidate"]["steps_s"]) == 20 and sorted(set(o.samples["candidate"]["window"])) == [0, 1, 2, 3]
+    # ctr-smoke times 4 windows of 5 steps at least, then on until the gain's interval is narrow (at most 20).
+    windows = sorted(set(o.samples["candidate"]["window"]))
+    assert 4 <= len(windows) <= 20 and windows == list(range(len(windows)))
+    assert len(o.samples["candidate"]["steps_s"]) == 5 * len(windows)
     assert store.confirmations(job)  # the end of start re-measured the front
     assert store.noise_floor(job).band == band
     store.close()
@@ -63,7 +66,8 @@ def test_start_status_export_train(storage_url, ray_cluster, tmp_path, capsys, p
     assert "noise floor of the NE gap: ±" in out
     assert run_cli("status", "--study", "svc", "--storage", storage_url, "--trial", t.number) == 0
     out = capsys.readouterr().out
-    assert f"trial {t.number}: COMPLETE" in out and "samples candidate: 20 steps" in out and "torch" in out
+    assert f"trial {t.number}: COMPLETE" in out and f"samples candidate: {5 * len(windows)} steps" in out
+    assert "torch" in out
 
     best = tmp_path / "best.yaml"
     code = run_cli("export", "--study", "svc", "--storage", storage_url, "--max-ne-gap", "1.0", "--repeats", 3,
