@@ -112,16 +112,15 @@ def metric_attrs(result: TrialResult) -> dict[str, float | str]:
     the pooled per-step QPS), kept beside it; ``exact_diff`` the exactness check's largest
     relative gradient difference, where it ran."""
     ref = result.gain_vs_reference_interval
+    over_graph = result.provenance.get("gain_over") == "graph"
     out: dict[str, float | str | None] = {
-        "gain_vs_eager": result.gain if result.gain_over == "eager" else None,
-        "gain_vs_graph": ref[0] if ref is not None else None,
+        "gain_vs_eager": None if over_graph else result.gain,
+        "gain_vs_graph": result.gain if over_graph else ref[0] if ref is not None else None,
         "gain_lo": result.gain_lo, "gain_hi": result.gain_hi, "windows": result.windows, "stopped": result.stopped,
         "gain_p90": result.gain_p90, "gain_median": result.gain_median,
         "gain_detach_only": result.gain_detach_only, "exact_diff": result.exact_diff,
         "ne_baseline": result.ne_baseline, "ne_candidate": result.ne_candidate, "ne_gap": result.ne_gap,
     }
-    if result.gain_over == "eager" and ref is not None:
-        out["gain_vs_graph"] = ref[0]
     for name, v in result.variants.items():
         out[f"{name}_p90_qps"], out[f"{name}_median_qps"] = v.p90_qps, v.median_qps
     return {k: (v if isinstance(v, str) else float(v)) for k, v in out.items() if v is not None}
