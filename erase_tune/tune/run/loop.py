@@ -183,11 +183,14 @@ class Loop:
             return True
         self._repeats = 0
         self.inflight.append(admitted)  # before submitting: a signal during submit must find it to fail it
-        if admitted.plan.cuts and self.floor_due is not None:
+        floor_s = 0.0
+        if admitted.plan.cuts and self.floor_due is not None:  # a phase of its own, not this trial's overhead
+            t1 = time.perf_counter()
             self._measure_floor()
             admitted.spec = dataclasses.replace(admitted.spec, stop_below=self._stop_below())
+            floor_s = time.perf_counter() - t1
         admitted.handle = self.executor.submit(admitted.spec)
-        self.cost["ask"].append(time.perf_counter() - t0)
+        self.cost["ask"].append(time.perf_counter() - t0 - floor_s)
         return True
 
     def _room(self) -> bool:

@@ -28,6 +28,7 @@ from erase_tune.store import Job, baseline_key
 from erase_tune.store.storage import Storage
 from erase_tune.tune.execute.outcome import Failure, TrialOutcome
 from erase_tune.tune.search.space import SearchSpace
+from erase_tune.confirm import baseline_plan
 from erase_tune.noise import feasible
 from erase_tune.tune.search.study import CONSTRAINTS, Attr, constraint, metric_attrs, objective_values
 
@@ -70,6 +71,8 @@ class Recorder:
             exact = bool(result.exact)
             if exact:  # gradients checked equal to the baseline's: the same training, gap 0
                 values[1] = 0.0
+            if result.plan.canonical() == baseline_plan(self.space.gain_over).canonical():
+                values[0] = 0.0  # the baseline against itself: what it measured is the noise of an A/A pair
             if not all(math.isfinite(v) for v in values):
                 values, failure = None, Failure(kind="trial", reason=f"non-finite objectives {values}")
         if values is not None and result is not None:
