@@ -97,8 +97,11 @@ def test_the_time_budget_ends_the_job_on_time_and_keeps_what_was_measured(ray_cl
 
 
 def test_a_time_budget_is_checked(capsys):
-    assert run_cli("start", "--space", str(SMOKE), "--time-budget", "0s") == 2
-    assert "--time-budget" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # argparse's usage error: one line, exit 2
+        run_cli("start", "--space", str(SMOKE), "--time-budget", "0s")
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--time-budget: '0s' must be between 1s and 7d" in err and err.count("\n") == 1
 
 
 @pytest.mark.parametrize("text", ["10m", "90", "1.5h"])
