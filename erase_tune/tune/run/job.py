@@ -66,7 +66,15 @@ from erase_tune.tune.run.loop import HEARTBEAT_S, Loop, Progress
 from erase_tune.tune.run.record import Recorder
 from erase_tune.tune.search.space import SearchSpace
 from erase_tune.tune.search.space_file import MAX_TRIALS
-from erase_tune.tune.search.study import Attr, FrontPoint, make_sampler, noise_band, open_study, pareto_front
+from erase_tune.tune.search.study import (
+    Attr,
+    FrontPoint,
+    finalists,
+    make_sampler,
+    noise_band,
+    open_study,
+    pareto_front,
+)
 from erase_tune.tune.execute.task import ConfirmSpec, ReferenceSpec
 from erase_tune.workloads import module_of
 
@@ -476,22 +484,23 @@ def _run(db: Any, loop: Loop, space: SearchSpace, name: str, executor: RayExecut
         raise
     complete, failed = loop.counts()
     front = pareto_front(loop.study, space.max_ne_gap)
+    final = finalists(loop.study, space.max_ne_gap, MAX_CONFIRMED)
     confirmed, quality = {}, {}
     choice: Choice | None = None
-    if confirm_windows and front:
+    if confirm_windows and final:
         cap = _confirm_windows(space, cost, confirm_windows, loop.seconds_left())
-        confirmed = confirm_front(db, loop.study, space, executor, front, windows=confirm_windows, max_windows=cap)
+        confirmed = confirm_front(db, loop.study, space, executor, final, windows=confirm_windows, max_windows=cap)
         try:
             quality = {n: (q.ne_gap, q.ne_gap_lo, q.ne_gap_hi)
                        for n, q in confirm_quality_front(db, loop.study, space, executor, [
-                           p for p in front if p.number in confirmed and confirmed[p.number][1] > 0]).items()}
+                           p for p in final if p.number in confirmed and confirmed[p.number][1] > 0]).items()}
         except EraseTuneError as e:  # the trials are stored: export confirms quality again
             log.warning("%s (export will try again)", e)
         job = db.store.get_job(name)
         if job is not None:  # what export will write, by the same rule (so the two agree)
             stored = {c.trial_number: c for c in db.store.confirmations(job)}
             stored_q = {q.trial_number: q for q in db.store.quality_confirmations(job)}
-            choice = choose(front, stored, stored_q, max_ne_gap=space.max_ne_gap, band=noise_band(loop.study),
+            choice = choose(final, stored, stored_q, max_ne_gap=space.max_ne_gap, band=noise_band(loop.study),
                             gain_over=space.gain_over)
     stopped = loop.stopped
     if complete == 0 or (stopped is not None and complete < loop.target and failed >= loop.max_failures):

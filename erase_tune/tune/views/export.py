@@ -42,7 +42,7 @@ from erase_tune.tune.run.confirm import (
     quality_refused,
     with_quality,
 )
-from erase_tune.tune.search.study import Attr, FrontPoint, load_study, noise_band, pareto_front
+from erase_tune.tune.search.study import Attr, FrontPoint, finalists, load_study, noise_band, pareto_front
 
 __all__ = ["PICKS", "NoConfirmedGain", "Exported", "export_plan", "pick_point", "storage_files"]
 
@@ -74,7 +74,7 @@ def export_plan(storage: str | None, study_name: str, out: str | Path, *, max_ne
     try:
         study = load_study(db, study_name)
         budget = max_ne_gap if max_ne_gap is not None else study.user_attrs.get(Attr.MAX_NE_GAP)
-        front = pareto_front(study, budget)
+        front = finalists(study, budget, MAX_CONFIRMED)
         if not front:
             every = pareto_front(study)
             if not every:
