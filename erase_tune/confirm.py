@@ -69,7 +69,8 @@ class PlanConfirmation:
 
     def __post_init__(self) -> None:
         if self.is_baseline != (self.windows == 0) or (self.stopped == "") != self.is_baseline:
-            raise ValueError("PlanConfirmation: the baseline itself has no windows and no stop reason; a timed plan has both")
+            raise ValueError("PlanConfirmation: the baseline itself has no windows and no stop reason; "
+                             "a timed plan has both")
         if self.stopped and self.stopped not in STOPS:
             raise ValueError(f"PlanConfirmation: stopped {self.stopped!r} is not one of {', '.join(STOPS)}")
 

@@ -206,7 +206,8 @@ class TrialResult:
     ne_gap: float
     """``(NE_cand - NE_base) / NE_base``; 0 for a plan verified exact."""
     gain: float
-    """Candidate over the ``gain_over`` baseline: mean of the per-window median-QPS gains (what a study ranks by)."""
+    """Candidate over the ``gain_over`` baseline: mean of the per-window median-QPS gains (what a
+    study ranks by)."""
     gain_lo: float
     """Lower end of the 95% interval of ``gain``."""
     gain_hi: float
@@ -214,7 +215,8 @@ class TrialResult:
     windows: int
     """Timing windows (rounds) the candidate ran."""
     stopped: str
-    """Why timing stopped: ``narrow`` (interval within ±budget.halfwidth), ``behind`` (below the race bound) or ``cap``."""
+    """Why timing stopped: ``narrow`` (interval within ±budget.halfwidth), ``behind`` (below the race
+    bound) or ``cap``."""
     gain_p90: float
     """Candidate over baseline, p90 of per-step QPS (the paper's headline statistic)."""
     gain_median: float
@@ -436,7 +438,8 @@ def run_trial(
         gain_spread=(min(eager.per_window), max(eager.per_window)),
         gain_vs_reference=gain(cand.p90_qps, results["reference"].p90_qps) if "reference" in results else None,
         gain_vs_reference_interval=_interval(vs_ref) if vs_ref is not None else None,
-        gain_detach_only=gain(results["detach_only"].p90_qps, results["baseline"].p90_qps) if "detach_only" in results else None,
+        gain_detach_only=(gain(results["detach_only"].p90_qps, results["baseline"].p90_qps)
+                          if "detach_only" in results else None),
         exact=exact,
         exact_diff=checked[0] if checked else None,
         duration_s=time.perf_counter() - started,

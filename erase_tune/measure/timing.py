@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["StepRunner", "Timings", "InterleavedTimings", "WindowMeasure", "RoundDone", "interleave", "time_interleaved",
-           "window_measure"]
+__all__ = ["StepRunner", "Timings", "InterleavedTimings", "WindowMeasure", "RoundDone", "interleave",
+           "time_interleaved", "window_measure"]
 
 StepRunner = Callable[[int], Any]
 """One full training step for the given global step index; its return value is ignored."""

@@ -109,11 +109,12 @@ def test_a_trial_reports_its_interval_and_trains_a_fixed_length_for_ne(trained, 
 
 
 def test_a_trial_behind_its_race_bound_stops_at_the_minimum():
-    # A bound no plan can reach (+1000%), and an interval no two windows can narrow to (±0.01%).
+    # A bound no plan can reach, and an interval no two windows can narrow to (±0.01%). (Not +1000%:
+    # on two shared cores one CPU window of the baseline can stall 100-fold, and two windows' t is 12.7.)
     budget = dataclasses.replace(BUDGET, max_windows=6, halfwidth=1e-4)
-    result = run_trial(workload(), CUT, budget, device="cpu", stop_below=10.0)
-    assert result.stopped == "behind" and result.windows == budget.windows and result.gain_hi < 10.0
-    assert result.provenance["stop_below"] == 10.0
+    result = run_trial(workload(), CUT, budget, device="cpu", stop_below=1e9)
+    assert result.stopped == "behind" and result.windows == budget.windows and result.gain_hi < 1e9
+    assert result.provenance["stop_below"] == 1e9
 
 
 @pytest.mark.parametrize("plan", [PLACED, ErasePlan(), ErasePlan(graphs=(Graphed(module="left"),))],

@@ -33,8 +33,8 @@ def trial_table(result: TrialResult) -> str:
         lines.append(f"{name:<12} {v.p90_qps:>12,.0f} {v.median_qps:>12,.0f} {v.p90_qps / base - 1:>+9.1%} {ne_s:>7}")
     lo, hi = result.gain_spread
     over = "whole-step-graph baseline" if result.provenance.get("gain_over") == "graph" else "baseline"
-    lines.append(f"gain {result.gain:+.2%} [95% interval {result.gain_lo:+.2%}, {result.gain_hi:+.2%}] over the {over}, "
-                 f"{result.windows} windows (stopped: {result.stopped})")
+    lines.append(f"gain {result.gain:+.2%} [95% interval {result.gain_lo:+.2%}, {result.gain_hi:+.2%}] "
+                 f"over the {over}, {result.windows} windows (stopped: {result.stopped})")
     ne_gap = (f"NE gap 0 (exact: gradients equal the baseline's, largest difference {result.exact_diff:.1e}; "
               "not trained for NE)" if result.exact else f"NE gap {result.ne_gap:+.2%}")
     lines.append(f"gain p90 {result.gain_p90:+.2%} (median {result.gain_median:+.2%}, per window {lo:+.1%}..{hi:+.1%});"
