@@ -282,10 +282,18 @@ def _sampler(sampler: Any) -> SamplerSpec:
 def _budget(b: Any, seed: Any) -> tuple[BudgetSpec, int]:
     """The budget, and the file's ``seed`` (checked here, after the budget's fields: its seed)."""
     b = _mapping(b, "budget", "a mapping")
-    _known(b, {"warmup_steps", "windows", "window_steps", "quality_steps", "timeout_s", "noise_repeats",
-               "quality_scale", "quality_seeds"}, "budget.")
+    _known(b, {"warmup_steps", "windows", "max_windows", "halfwidth", "window_steps", "quality_steps", "timeout_s",
+               "noise_repeats", "quality_scale", "quality_seeds"}, "budget.")
     seed = _int(seed, "seed", 0, MAX_SEED)
-    steps = {k: _int(v, f"budget.{k}", 0, MAX_STEPS) for k, v in b.items() if k != "timeout_s"}
+    steps = {k: _int(v, f"budget.{k}", 0, MAX_STEPS) for k, v in b.items() if k not in ("timeout_s", "halfwidth")}
+    if "halfwidth" in b:
+        halfwidth = _float(b["halfwidth"], "budget.halfwidth")
+        if not 0 < halfwidth < 1:
+            raise _Error(f"budget.halfwidth: {halfwidth} must be in (0, 1): the 95% interval's half-width a trial "
+                         "measures its gain to (0.03: ±3 points)")
+        steps["halfwidth"] = halfwidth
+    if "windows" in steps and "max_windows" not in steps:  # a file written for fixed windows keeps its length
+        steps["max_windows"] = max(steps["windows"], Budget().max_windows)
     per_trial = Budget(**steps, seed=seed)
     timeout_s = _float(b.get("timeout_s", 600), "budget.timeout_s")
     if not 0 < timeout_s <= 7 * 86400:
