@@ -40,6 +40,7 @@ from erase_tune.trial import (
     agree_with_rank0,
     build_engine,
     jsonable_args,
+    prepare,
     ranks_of,
     release,
 )
@@ -127,9 +128,7 @@ def confirm_plans(
     base = baseline_plan(gain_over)
     if base.whole_step_graph and device.type != "cuda":
         raise EraseTuneError("gain_over: graph needs CUDA (the whole-step-graph baseline does not exist on the CPU)")
-    torch.manual_seed(budget.seed)
-    data = workload.make_data(device)
-    init = workload.build_model()
+    data, init = prepare(workload, device, budget.seed)
     same = {name for name, p in plans.items() if p.canonical().to_dict() == base.canonical().to_dict()}
     timed = {"baseline": base, **{name: p for name, p in plans.items() if name not in same}}
     for name, p in timed.items():

@@ -46,6 +46,7 @@ from erase_tune.trial import (
     check_workload_loss,
     exact_by_construction,
     jsonable_args,
+    prepare,
     reference_capture_error,
     ranks_of,
     release,
@@ -159,9 +160,7 @@ def measure_noise_floor(workload: Workload, budget: Budget = Budget(), *, repeat
     graph = device.type == "cuda" and graph_error is None if graph is None else graph
     if graph and device.type != "cuda":
         raise EraseTuneError("noise floor: the whole-step-graph perturbation needs CUDA")
-    torch.manual_seed(budget.seed)
-    data = workload.make_data(device)
-    init = workload.build_model()
+    data, init = prepare(workload, device, budget.seed)
     steps = budget.training_steps
     base = ErasePlan()
     try:
@@ -231,9 +230,7 @@ def confirm_quality(workload: Workload, plans: Mapping[str, ErasePlan], *, budge
             raise EraseTuneError(f"{name}: {value!r} must be an integer in {low}..{MAX_REPEATS}")
     started = time.perf_counter()
     device = resolve_device(device)
-    torch.manual_seed(budget.seed)
-    data = workload.make_data(device)
-    init = workload.build_model()
+    data, init = prepare(workload, device, budget.seed)
     steps = scale * budget.training_steps
     trained = {name: p for name, p in plans.items() if not exact_by_construction(p)}
     for p in trained.values():

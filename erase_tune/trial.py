@@ -60,7 +60,7 @@ from erase_tune.workloads.limits import MAX_SEED
 __all__ = ["Budget", "VariantResult", "TrialResult", "TrialFailed", "run_trial", "build_engine", "Variant", "jsonable_args",
            "release", "reference_capture_error", "UNKNOWN", "BASELINE"]
 __all__ += ["check_workload_loss", "MAX_REPEATS", "GAIN_OVER", "exact_by_construction", "gradient_difference",
-            "agree_with_rank0", "EXACT_RTOL"]
+            "agree_with_rank0", "EXACT_RTOL", "prepare"]
 
 GRAPH_WARMUP = 3
 """Eager steps an engine runs before capturing a CUDA graph (capture happens on the next)."""
@@ -284,6 +284,50 @@ def build_engine(workload: Workload, plan: ErasePlan, init: torch.nn.Module, dat
     )
 
 
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def _set_rng_state(device: torch.device, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
+_PREPARED: dict[str, Any] = {}
+"""The last workload :func:`prepare` built in this process (a trial worker runs one job's trials
+one after another: same workload, same seed)."""
+
+
+def _code(f: Any) -> Any:
+    """What makes a factory the same one across calls: its code (a workload made anew per trial
+    makes new closures over the same code), else the object itself."""
+    f = getattr(f, "func", f)  # functools.partial
+    return getattr(f, "__code__", None) or id(f)
+
+
+def prepare(workload: Workload, device: torch.device, seed: int) -> tuple[WorkloadData, torch.nn.Module]:
+    """The workload's data on ``device`` and its initial model, made after ``torch.manual_seed(seed)``
+    and left with the random state they leave: the same every time. The last one is kept for the
+    next call with the same workload, arguments, seed and device (a large model's initialisation
+    and its data took most of a reference-DLRM trial's 15 s on an H200), with its random state
+    restored, so a later trial starts exactly as the first did. Nothing reads back into them:
+    every variant trains a copy of the model."""
+    key = repr((workload.name, sorted(jsonable_args(workload.args).items()), seed, str(device),
+                _code(workload.build_model), _code(workload.make_data)))
+    hit = _PREPARED.get("key") == key
+    if hit:
+        data, init, rng = _PREPARED["value"]
+        _set_rng_state(device, rng)
+        return data, init
+    _PREPARED.clear()  # the old one goes before the new one is made (a large model and its data twice may not fit)
+    torch.manual_seed(seed)
+    data = workload.make_data(device)
+    init = workload.build_model()
+    _PREPARED.update(key=key, value=(data, init, _rng_state(device)))
+    return data, init
+
+
 def ranks_of(process_group: Any) -> tuple[int, int]:
     """(rank, world size) in ``process_group``; (0, 1) without one."""
     if process_group is None:
@@ -343,9 +387,7 @@ def run_trial(
     if gain_over == "graph" and ref_error is not None:
         raise EraseTuneError("gain_over: graph needs the whole-step-graph reference, which cannot be captured for "
                              f"this workload ({ref_error}): use gain_over: eager")
-    torch.manual_seed(budget.seed)
-    data = workload.make_data(device)
-    init = workload.build_model()
+    data, init = prepare(workload, device, budget.seed)
     plan.check_model(init)
     rank, world = ranks_of(process_group)
 
@@ -361,10 +403,29 @@ def run_trial(
     checked: list[float] = []  # the exactness check's largest difference, once it ran
     exact_ok: list[bool] = []
     variants: dict[str, Variant] = {}
+    warm_rng: list[Any] = []
 
     def check_exact() -> None:
-        """After the warm-up: the candidate's gradients of the last warm-up step against the baseline's."""
-        diff, ok = gradient_difference(variants["candidate"].engine.model, variants["baseline"].engine.model)
+        """After the warm-up: the candidate's gradients of the last warm-up step against the
+        baseline's. Where they differ beyond the dtype's tolerance, a twin of the baseline is
+        trained through the same warm-up, and the candidate may differ from the baseline as far
+        as the baseline differs from itself (a backward with atomics is not deterministic)."""
+        cand, base = variants["candidate"].engine.model, variants["baseline"].engine.model
+        diff, ok = gradient_difference(cand, base)
+        if not ok and process_group is None:  # (several ranks would have to agree to build the twin)
+            twin = Variant(plan=ErasePlan(), engine=build_engine(workload, ErasePlan(), init, data, device),
+                           data=data)
+            now = _rng_state(device)
+            try:
+                _set_rng_state(device, warm_rng[0])  # the baseline's random stream: a dropout mask is no noise
+                for step in range(budget.warmup_steps):
+                    twin(step)
+                noise = gradient_differences(twin.engine.model, base)
+                if noise is not None:
+                    diff, ok = gradient_difference(cand, base, [n for n, _ in noise])
+            finally:
+                _set_rng_state(device, now)
+                release([twin], device)
         if process_group is not None:  # every rank decides the same (rank-local kernels may differ)
             diff, ok = _agree_worst(diff, ok, device, process_group)
         checked.append(diff)
@@ -376,6 +437,7 @@ def run_trial(
                                      data=data, rank=rank, world=world)
             if name == "baseline":  # before any cut's aux head is sized: a bad loss is the loss's fault
                 check_workload_loss(workload, variants[name].engine.model, data)
+        warm_rng.append(_rng_state(device))  # where the baseline's warm-up starts drawing
         measured = measure_gains(
             variants, device=device, warmup_steps=budget.warmup_steps, window_steps=budget.window_steps,
             rule=budget.stop_rule(below=stop_below), pairs=pairs, deciding=("candidate",),
@@ -454,25 +516,51 @@ def run_trial(
     )
 
 
-def gradient_difference(model: torch.nn.Module, reference: torch.nn.Module) -> tuple[float, bool]:
+def gradient_difference(model: torch.nn.Module, reference: torch.nn.Module,
+                        noise: Sequence[float] | None = None) -> tuple[float, bool]:
     """``(largest relative difference, within tolerance)`` between the ``.grad`` of ``model``'s
     parameters and ``reference``'s, parameter by parameter in registration order (the same model
     under two plans). Each difference is ``max|a - b| / max(max|a|, max|b|)``; within tolerance
-    means bitwise equal or at most :data:`EXACT_RTOL` of the gradient's dtype. A parameter with no
-    gradient in both is equal; with one in one of them only, it differs wholly (1.0), as does a
-    non-finite difference. One host sync for all parameters."""
+    means bitwise equal or at most :data:`EXACT_RTOL` of the gradient's dtype, or, where ``noise``
+    gives each parameter's difference between two runs of the *same* plan (a model whose backward
+    is not deterministic: an embedding's accumulates with atomics), at most
+    :data:`NONDETERMINISM_MARGIN` times that. A parameter with no gradient in both is equal; with
+    one in one of them only, it differs wholly (1.0), as does a non-finite difference."""
+    values = gradient_differences(model, reference)
+    if values is None:
+        return 1.0, False
+    allowed = [t if noise is None else max(t, NONDETERMINISM_MARGIN * n) for (_, t), n in
+               zip(values, noise if noise is not None else [0.0] * len(values))]
+    ok = all(v <= a for (v, _), a in zip(values, allowed))
+    return max([v for v, _ in values], default=0.0), ok
+
+
+NONDETERMINISM_MARGIN = 4.0
+"""How much further than the baseline from itself a plan exact by construction may be from the
+baseline, per parameter, on a model whose backward is not deterministic (seen on an H200: the
+reference DLRM's embedding gradients differ by 1-3% between two runs of one plan). A plan that
+really changes a gradient (a detached branch, a misaligned dropout mask) moves it by its whole
+size."""
+
+
+def gradient_differences(model: torch.nn.Module, reference: torch.nn.Module) -> list[tuple[float, float]] | None:
+    """Per parameter with a gradient in either model: ``(relative difference, dtype tolerance)``
+    (see :func:`gradient_difference`); None when the models' parameters do not match. One host
+    sync for all parameters."""
     ours, theirs = list(model.named_parameters()), list(reference.named_parameters())
     if [n for n, _ in ours] != [n for n, _ in theirs]:
-        return 1.0, False
+        return None
     rels: list[torch.Tensor] = []
     tols: list[float] = []
-    worst_missing = 0.0
+    missing: list[int] = []
     for (_, p), (_, q) in zip(ours, theirs):
         a, b = p.grad, q.grad
         if a is None and b is None:
             continue
         if a is None or b is None or a.shape != b.shape or a.dtype != b.dtype:
-            worst_missing = 1.0
+            missing.append(len(rels))
+            rels.append(torch.ones((), dtype=torch.float64, device=(a if a is not None else b).device))
+            tols.append(0.0)
             continue
         a = a.to_dense() if a.is_sparse else a
         b = b.to_dense() if b.is_sparse else b
@@ -480,10 +568,14 @@ def gradient_difference(model: torch.nn.Module, reference: torch.nn.Module) -> t
         scale = torch.maximum(a.abs().max(), b.abs().max()) if a.numel() else a.new_ones(())
         rels.append(torch.where(diff == 0, diff, diff / scale).to(torch.float64).reshape(()))
         tols.append(EXACT_RTOL.get(a.dtype, 0.0))
-    values = torch.stack(rels).cpu().tolist() if rels else []
+    if not rels:
+        return []
+    devices = {r.device for r in rels}
+    values = torch.stack([r.to("cpu") for r in rels]).tolist() if len(devices) > 1 else torch.stack(rels).cpu().tolist()
     values = [v if math.isfinite(v) else 1.0 for v in values]
-    ok = worst_missing == 0.0 and all(v <= t for v, t in zip(values, tols))
-    return max([worst_missing, *values]), ok
+    for i in missing:  # a gradient in one model only is no tolerance's to forgive
+        values[i] = 1.0
+    return list(zip(values, tols))
 
 
 def _interval(e: GainEstimate) -> tuple[float, float, float]:
