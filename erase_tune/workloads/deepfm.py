@@ -396,8 +396,8 @@ def _needs(args: dict[str, Any]) -> list[Need]:
         Need("the MLP", mlp * TRAINING_BYTES_PER_PARAMETER, f"mlp={args['mlp']!r}, num_fields={f}, emb_dim={e}"),
         Need("the train/eval pools", examples * (_POOL_BYTES_PER_EXAMPLE + _POOL_BYTES_PER_FIELD * f),
              f"batch={batch} x (train_batches={args['train_batches']} + eval_batches={args['eval_batches']})"),
-        Need("the synthetic ids' popularity order", rows * (SYNTHETIC_BYTES_PER_TABLE_ROW * f + SYNTHETIC_BYTES_PER_ROW),
-             f"num_fields={f} x rows={rows}"),
+        Need("the synthetic ids' popularity order",
+             rows * (SYNTHETIC_BYTES_PER_TABLE_ROW * f + SYNTHETIC_BYTES_PER_ROW), f"num_fields={f} x rows={rows}"),
     ]  # fmt: skip
 
 
