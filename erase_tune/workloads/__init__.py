@@ -25,7 +25,7 @@ from erase_tune.workloads.base import Batch, Workload, WorkloadData
 
 __all__ = ["BUILTINS", "Batch", "Workload", "WorkloadData", "get_workload", "module_of", "workload_args"]
 
-BUILTINS = ("ctr", "gpt", "mlp", "dlrm")
+BUILTINS = ("ctr", "gpt", "mlp", "dlrm", "deepfm")
 """Built-in workloads; each is ``erase_tune.workloads.<name>.workload``."""
 
 _MISSING = inspect.Parameter.empty

@@ -67,7 +67,7 @@ _USER_FACTORY = """
 
 
 def test_builtins_build_with_defaults() -> None:
-    assert BUILTINS == ("ctr", "gpt", "mlp", "dlrm")
+    assert BUILTINS == ("ctr", "gpt", "mlp", "dlrm", "deepfm")
     for name in BUILTINS:
         wl = get_workload(name)
         assert isinstance(wl, Workload) and wl.name == name
@@ -82,7 +82,7 @@ def test_args_are_passed_and_recorded() -> None:
 
 def test_unknown_name() -> None:
     msg = _raises(r"unknown workload 'nope'", "nope")
-    assert "ctr, gpt, mlp, dlrm" in msg
+    assert "ctr, gpt, mlp, dlrm, deepfm" in msg
 
 
 def test_unknown_argument_lists_the_known_ones() -> None:
