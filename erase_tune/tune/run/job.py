@@ -44,7 +44,7 @@ from typing import Any
 
 from erase_tune._files import name_problem
 from erase_tune.errors import EraseTuneError, shown
-from erase_tune.estimate import StepCost, describe_phases, job_phases, trial_seconds
+from erase_tune.estimate import StepCost, describe_phases, duration, job_phases, trial_seconds
 from erase_tune.store import default_storage_url
 from erase_tune.store.engine import parse_url
 from erase_tune.store.storage import open_storage
@@ -429,6 +429,16 @@ def _confirm_reserve(space: SearchSpace, cost: StepCost | None, windows: int) ->
     return (MAX_CONFIRMED + 1) * (cost.build_s + (b.warmup_steps + windows * b.window_steps) * cost.step_s)
 
 
+def _quality_seconds(space: SearchSpace, cost: StepCost | None, points: list[FrontPoint]) -> float:
+    """What the quality confirmation of ``points`` costs: the plans with cuts and the baseline, each
+    trained ``quality_scale`` times a trial's steps per seed (exact plans are not trained)."""
+    b = space.budget
+    trained = [p for p in points if (p.plan or {}).get("cuts")]
+    if cost is None or not trained or not b.quality_scale:
+        return 0.0
+    return (len(trained) + 1) * b.quality_seeds * (cost.build_s + b.quality_scale * b.training_steps * cost.step_s)
+
+
 def _confirm_windows(space: SearchSpace, cost: StepCost | None, windows: int, seconds_left: float | None) -> int:
     """The confirmation's cap of windows: :data:`CONFIRM_MAX_WINDOWS`, or what the time left allows."""
     cap = max(windows, CONFIRM_MAX_WINDOWS)
@@ -490,12 +500,18 @@ def _run(db: Any, loop: Loop, space: SearchSpace, name: str, executor: RayExecut
     if confirm_windows and final:
         cap = _confirm_windows(space, cost, confirm_windows, loop.seconds_left())
         confirmed = confirm_front(db, loop.study, space, executor, final, windows=confirm_windows, max_windows=cap)
-        try:
-            quality = {n: (q.ne_gap, q.ne_gap_lo, q.ne_gap_hi)
-                       for n, q in confirm_quality_front(db, loop.study, space, executor, [
-                           p for p in final if p.number in confirmed and confirmed[p.number][1] > 0]).items()}
-        except EraseTuneError as e:  # the trials are stored: export confirms quality again
-            log.warning("%s (export will try again)", e)
+        proven = [p for p in final if p.number in confirmed and confirmed[p.number][1] > 0]
+        need = _quality_seconds(space, cost, proven)
+        left = loop.seconds_left()
+        if need and left is not None and need > left:
+            log.info("quality confirmation left out: it needs about %s and the time budget has %s left (export "
+                     "confirms it)", duration(need), duration(max(0.0, left)))
+        else:
+            try:
+                quality = {n: (q.ne_gap, q.ne_gap_lo, q.ne_gap_hi)
+                           for n, q in confirm_quality_front(db, loop.study, space, executor, proven).items()}
+            except EraseTuneError as e:  # the trials are stored: export confirms quality again
+                log.warning("%s (export will try again)", e)
         job = db.store.get_job(name)
         if job is not None:  # what export will write, by the same rule (so the two agree)
             stored = {c.trial_number: c for c in db.store.confirmations(job)}
