@@ -23,6 +23,7 @@
 #       stream by hand, a blocking cut's head by hand), longer (docs/benchmarks.md 00.7, 00.8);
 #   s1  issue 27: the protocol's GPU tests, then `erase-tune start` on search_spaces/dlrm.yaml (no
 #       seeds) within --time-budget 6m, its status and export;
+#   s2  issue 27: `erase-tune start` on search_spaces/deepfm.yaml (no seeds) within 4 minutes, and export;
 #   n   the NE gap's evidence (scripts/ne_evidence.py): the noise floor of every shipped space (gpt
 #       in bf16 and float32) and the rank agreement of search and confirmed NE gaps over 12 plans.
 # On two H200s (nvidia-h200-x2):
@@ -189,12 +190,18 @@ case $phase in
   s1)  # issue 27 on the reference DLRM: the protocol's GPU tests, then a study from a space with no
         # seeds (search_spaces/dlrm.yaml: the screen, the sequential protocol, racing) bounded to 6
         # minutes as a whole, its status, and the export (which reuses the job's confirmation)
-    step gputests 110 0 $py -m pytest -q -m gpu tests/measure tests/test_reference_gpu.py -p no:cacheprovider
+    step gputests 70 0 $py -m pytest -q -m gpu tests/measure tests/test_reference_gpu.py -p no:cacheprovider
     step dlrm_study 400 0 $py -m erase_tune start --space search_spaces/dlrm.yaml --study dlrm \
       --storage "sqlite:///$work/dlrm.db" --time-budget 6m
     step dlrm_status 20 0 $py -m erase_tune status --study dlrm --storage "sqlite:///$work/dlrm.db"
     step dlrm_export 40 0 $py -m erase_tune export --study dlrm --storage "sqlite:///$work/dlrm.db" \
       -o "$work/best_dlrm.yaml"
+    ;;
+  s2)  # issue 27 on a DeepFM (one embedding feeding linear, FM and MLP branches), no seeds, 4 minutes
+    step deepfm_study 300 0 $py -m erase_tune start --space search_spaces/deepfm.yaml --study deepfm \
+      --storage "sqlite:///$work/deepfm.db" --time-budget 4m
+    step deepfm_export 40 0 $py -m erase_tune export --study deepfm --storage "sqlite:///$work/deepfm.db" \
+      -o "$work/best_deepfm.yaml"
     ;;
   n)
     step ne_evidence 480 0 $py scripts/ne_evidence.py --out "$work" --rank-arg train_batches=1700
