@@ -48,3 +48,15 @@ def test_the_best_lower_bound_is_chosen_not_the_best_reading():
     unproven = {0: _confirmation(0, 0.05, -0.02, 0.12), 1: _confirmation(1, 0.01, -0.01, 0.03)}
     refused = choose(front, unproven, {}, max_ne_gap=0.01, band=0.0)
     assert refused.refusal is not None and "shows a gain" in refused.refusal and refused.point.number == 1
+
+
+def test_a_plan_with_cuts_whose_ne_was_not_confirmed_is_not_chosen_when_quality_is_required():
+    study = _study(None, [(CUT, 0.17, 0.006), (GRAPH, 0.14, 0.0)])
+    front = pareto_front(study)
+    confirmed = {0: _confirmation(0, 0.17, 0.15, 0.19), 1: _confirmation(1, 0.16, 0.14, 0.18)}
+    assert choose(front, confirmed, {}, max_ne_gap=0.01, band=0.0).point.number == 0
+    # the job had no time to train the cut longer: the exact plan, which needs no NE confirmation, is chosen
+    choice = choose(front, confirmed, {}, max_ne_gap=0.01, band=0.0, quality_required=True)
+    assert choice.refusal is None and choice.point.number == 1
+    only_cut = choose(front[:1], confirmed, {}, max_ne_gap=0.01, band=0.0, quality_required=True)
+    assert only_cut.refusal is not None and "--quality-scale" in only_cut.refusal

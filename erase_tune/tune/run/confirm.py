@@ -151,16 +151,25 @@ class Choice:
 
 
 def choose(front: list[FrontPoint], confirmed: dict[int, Confirmation], quality: dict[int, QualityConfirmation], *,
-           max_ne_gap: float, band: float, pick: str = "max-gain", gain_over: str = "eager") -> Choice:
+           max_ne_gap: float, band: float, pick: str = "max-gain", gain_over: str = "eager",
+           quality_required: bool = False) -> Choice:
     """The export rule (module docstring): the plan ``pick`` chooses among front plans whose
-    confirmed gain interval lies above 0 and whose NE holds, else a refusal naming the best."""
+    confirmed gain interval lies above 0 and whose NE holds, else a refusal naming the best.
+    ``quality_required``: a plan with cuts whose NE gap was not confirmed is not chosen (the job
+    confirms quality; one that had no time left for it exports only what needs none)."""
     confirmed = {n: c for n, c in confirmed.items() if any(p.number == n for p in front)}
     showing = [p for p in front if p.number in confirmed and confirmed[p.number].gain_lo > 0]
+    unjudged = [p for p in showing if quality_required and p.plan.get("cuts") and p.number not in quality]
     too_costly = [p for p in showing if quality_refused(quality.get(p.number), max_ne_gap, band)]
-    showing = [p for p in showing if p not in too_costly]
+    showing = [p for p in showing if p not in too_costly and p not in unjudged]
     if showing:
         point = pick_point(showing, pick, {n: c.gain_lo for n, c in confirmed.items()})
         return Choice(point=point, confirmation=confirmed[point.number], quality=quality.get(point.number))
+    if unjudged and not too_costly:
+        p = unjudged[0]
+        return Choice(point=p, confirmation=confirmed[p.number], quality=None, quality_refusal=True, refusal=(
+            f"the best confirmed plan, trial {p.number}, has cuts and its NE gap was not confirmed (the job's time "
+            "budget left it out): pass --quality-scale N to export to confirm it now"))
     if too_costly:
         p = too_costly[0]
         q = quality[p.number]

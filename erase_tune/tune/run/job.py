@@ -504,8 +504,10 @@ def _run(db: Any, loop: Loop, space: SearchSpace, name: str, executor: RayExecut
         need = _quality_seconds(space, cost, proven)
         left = loop.seconds_left()
         if need and left is not None and need > left:
-            log.info("quality confirmation left out: it needs about %s and the time budget has %s left (export "
-                     "confirms it)", duration(need), duration(max(0.0, left)))
+            log.info("quality confirmation left out: it needs about %s and the time budget has %s left; plans with "
+                     "cuts are not exported unless export confirms them (--quality-scale)", duration(need),
+                     duration(max(0.0, left)))
+            loop.study.set_user_attr(Attr.QUALITY_LEFT_OUT, True)
         else:
             try:
                 quality = {n: (q.ne_gap, q.ne_gap_lo, q.ne_gap_hi)
@@ -517,7 +519,7 @@ def _run(db: Any, loop: Loop, space: SearchSpace, name: str, executor: RayExecut
             stored = {c.trial_number: c for c in db.store.confirmations(job)}
             stored_q = {q.trial_number: q for q in db.store.quality_confirmations(job)}
             choice = choose(final, stored, stored_q, max_ne_gap=space.max_ne_gap, band=noise_band(loop.study),
-                            gain_over=space.gain_over)
+                            gain_over=space.gain_over, quality_required=bool(space.budget.quality_scale))
     stopped = loop.stopped
     if complete == 0 or (stopped is not None and complete < loop.target and failed >= loop.max_failures):
         db.store.set_job_status(name, "failed", error=stopped or "every trial failed")

@@ -61,6 +61,7 @@ class Attr:
     NOISE_BAND = "ne_noise_band"  # its band, a scalar the dashboard lists
     REFERENCE_ERROR = "reference_error"  # why the whole-step graph cannot be captured; None: it can (CUDA only)
     STEP_COST = "step_cost"  # the preflight's erase_tune.estimate.StepCost, as a dict
+    QUALITY_LEFT_OUT = "quality_left_out"  # the job's time budget left no time to confirm NE gaps
 
 
 _OLD_METRICS = {"gain_vs_eager": "gain_p90", "gain_vs_graph": "gain_vs_reference"}

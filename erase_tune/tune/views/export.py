@@ -95,7 +95,10 @@ def export_plan(storage: str | None, study_name: str, out: str | Path, *, max_ne
         space = _stored_space(job)
         space = None if space is None else with_quality(space, quality_scale, quality_seeds)
         missing = [p for p in showing if p.number not in quality]
-        if space is not None and space.budget.quality_scale and missing:
+        # A job whose time budget left the quality confirmation out chose without it: export agrees
+        # with it unless asked to confirm quality now (--quality-scale).
+        left_out = bool(study.user_attrs.get(Attr.QUALITY_LEFT_OUT)) and quality_scale is None
+        if space is not None and space.budget.quality_scale and missing and not left_out:
             if executor_factory is None:
                 raise EraseTuneError("the front's quality is not confirmed yet and no executor was given to confirm it")
             with executor_factory(job) as (executor, space_like):
@@ -104,7 +107,8 @@ def export_plan(storage: str | None, study_name: str, out: str | Path, *, max_ne
             quality = _latest_quality(db.store.quality_confirmations(job))
         band = noise_band(study)
         choice = choose(front, confirmed, quality, max_ne_gap=budget, band=band, pick=pick,
-                        gain_over=study.user_attrs.get(Attr.GAIN_OVER, "eager"))
+                        gain_over=study.user_attrs.get(Attr.GAIN_OVER, "eager"),
+                        quality_required=bool(space is not None and space.budget.quality_scale))
         if choice.refusal is not None and not force:
             raise NoConfirmedGain(f"{choice.refusal}; nothing written (--force writes it anyway, marked unconfirmed)")
         point = choice.point
