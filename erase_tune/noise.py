@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
@@ -220,11 +220,13 @@ class QualityResult:
 
 def confirm_quality(workload: Workload, plans: Mapping[str, ErasePlan], *, budget: Budget, scale: int = 4,
                     seeds: int = 3, band: float = 0.0, device: str | torch.device | None = None,
-                    process_group: Any = None, progress: Callable[[str], None] = lambda s: None) -> QualityResult:
+                    process_group: Any = None, progress: Callable[[str], None] = lambda s: None,
+                    exact: Collection[str] | None = None) -> QualityResult:
     """Train each plan in ``plans`` and the baseline for ``scale`` × the trial's training steps,
     from the same init, once per seed (seed ``k`` trains the batches in the order permuted by
     ``k``; the first seed is the trial's own order), and report each plan's NE gap with a 95%
-    interval over seeds. Plans exact by construction are not trained: gap 0, interval ±``band``."""
+    interval over seeds. Exact plans are not trained: gap 0, interval ±``band``; ``exact`` names
+    them (the plans a trial's gradient check verified), else every plan exact by construction is."""
     for name, value, low in (("quality scale", scale, 1), ("quality seeds", seeds, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= MAX_REPEATS:
             raise EraseTuneError(f"{name}: {value!r} must be an integer in {low}..{MAX_REPEATS}")
@@ -232,7 +234,8 @@ def confirm_quality(workload: Workload, plans: Mapping[str, ErasePlan], *, budge
     device = resolve_device(device)
     data, init = prepare(workload, device, budget.seed)
     steps = scale * budget.training_steps
-    trained = {name: p for name, p in plans.items() if not exact_by_construction(p)}
+    trained = {name: p for name, p in plans.items()
+               if not (exact_by_construction(p) if exact is None else name in exact)}
     for p in trained.values():
         p.check_model(init)
     orders = [None, *(budget.seed * 1000 + 500 + k for k in range(1, seeds))]

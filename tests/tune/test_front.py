@@ -17,12 +17,14 @@ GRAPH = ErasePlan(graphs=(Graphed(module="top_l", stream=0),))
 CUT = ErasePlan(cuts=(Cut(module="bot_l", stream=1),), num_streams=1)
 
 
-def _study(band: float | None, trials: list[tuple[ErasePlan, float, float]]) -> optuna.Study:
+def _study(band: float | None, trials: list[tuple[ErasePlan, float, float]], exact: set[int] = frozenset()
+           ) -> optuna.Study:
     study = optuna.create_study(directions=list(DIRECTIONS))
     if band is not None:
         study.set_user_attr(Attr.NOISE_BAND, band)
-    for plan, gain, gap in trials:
-        study.add_trial(optuna.trial.create_trial(values=[gain, gap], user_attrs={Attr.PLAN: plan.to_dict()}))
+    for i, (plan, gain, gap) in enumerate(trials):
+        study.add_trial(optuna.trial.create_trial(values=[gain, gap], user_attrs={Attr.PLAN: plan.to_dict(),
+                                                                                  Attr.EXACT: i in exact}))
     return study
 
 
@@ -51,7 +53,7 @@ def test_the_best_lower_bound_is_chosen_not_the_best_reading():
 
 
 def test_a_plan_with_cuts_whose_ne_was_not_confirmed_is_not_chosen_when_quality_is_required():
-    study = _study(None, [(CUT, 0.17, 0.006), (GRAPH, 0.14, 0.0)])
+    study = _study(None, [(CUT, 0.17, 0.006), (GRAPH, 0.14, 0.0)], exact={1})
     front = pareto_front(study)
     confirmed = {0: _confirmation(0, 0.17, 0.15, 0.19), 1: _confirmation(1, 0.16, 0.14, 0.18)}
     assert choose(front, confirmed, {}, max_ne_gap=0.01, band=0.0).point.number == 0
@@ -60,3 +62,6 @@ def test_a_plan_with_cuts_whose_ne_was_not_confirmed_is_not_chosen_when_quality_
     assert choice.refusal is None and choice.point.number == 1
     only_cut = choose(front[:1], confirmed, {}, max_ne_gap=0.01, band=0.0, quality_required=True)
     assert only_cut.refusal is not None and "--quality-scale" in only_cut.refusal
+    # a plan with no cuts whose gradient check failed is not exact either: it needs its NE confirmed too
+    unverified = pareto_front(_study(None, [(GRAPH, 0.17, 0.0)]))
+    assert choose(unverified, {0: confirmed[0]}, {}, max_ne_gap=0.01, band=0.0, quality_required=True).refusal

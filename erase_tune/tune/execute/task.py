@@ -70,6 +70,8 @@ class ConfirmSpec:
     """``quality``: the job's noise floor band (the interval of plans exact by construction)."""
     max_windows: int = 40
     """``speed``: windows at most per plan (``windows`` is the least)."""
+    exact: tuple[str, ...] | None = None
+    """``quality``: the plans a trial verified exact (not trained); None: those exact by construction."""
     halfwidth: float = 0.02
     """``speed``: a plan stops once its gain's 95% interval is within ± this."""
 
@@ -166,7 +168,7 @@ def _quality_or_noise(spec: ConfirmSpec, workload: Any, plans: Mapping[str, Any]
                                    graph=None if budget.reference else False, process_group=process_group)
     if spec.task == "quality":
         return confirm_quality(workload, plans, budget=budget, scale=budget.quality_scale, seeds=budget.quality_seeds,
-                               band=spec.band, device=spec.device, process_group=process_group)
+                               band=spec.band, device=spec.device, process_group=process_group, exact=spec.exact)
     raise EraseTuneError(f"confirmation task {spec.task!r} is not one of {', '.join(CONFIRM_TASKS)}")
 
 

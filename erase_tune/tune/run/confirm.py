@@ -81,7 +81,7 @@ def confirm_quality_front(db: Storage, study: optuna.Study, space_like: Any, exe
     """Train the first ``MAX_CONFIRMED`` of ``front`` (the plans that could be exported: their
     gain is confirmed) longer over several seeds (erase_tune.noise.confirm_quality, the space's
     ``budget.quality_scale`` and ``quality_seeds``) and store the NE gaps with their intervals;
-    nothing when the space turns quality confirmation off. Plans with no cuts are not trained."""
+    nothing when the space turns quality confirmation off. Plans their trial verified exact are not trained."""
     budget = space_like.budget
     if not getattr(budget, "quality_scale", 0) or not front:
         return {}
@@ -91,7 +91,8 @@ def confirm_quality_front(db: Storage, study: optuna.Study, space_like: Any, exe
     band = noise_band(study)
     spec = ConfirmSpec(workload=wl["name"], workload_args=wl["args"], plans={str(p.number): p.plan for p in points},
                        budget=dataclasses.asdict(budget), windows=0,
-                       gain_over=study.user_attrs.get(Attr.GAIN_OVER, "eager"), task="quality", band=band)
+                       gain_over=study.user_attrs.get(Attr.GAIN_OVER, "eager"), task="quality", band=band,
+                       exact=tuple(str(p.number) for p in points if p.user_attrs.get(Attr.EXACT)))
     runs = (len(points) + 1) * budget.quality_seeds * budget.quality_scale
     outcome = executor.confirm(spec, timeout=float(space_like.timeout_s) * max(2, runs))
     if outcome.result is None:
@@ -159,7 +160,9 @@ def choose(front: list[FrontPoint], confirmed: dict[int, Confirmation], quality:
     confirms quality; one that had no time left for it exports only what needs none)."""
     confirmed = {n: c for n, c in confirmed.items() if any(p.number == n for p in front)}
     showing = [p for p in front if p.number in confirmed and confirmed[p.number].gain_lo > 0]
-    unjudged = [p for p in showing if quality_required and p.plan.get("cuts") and p.number not in quality]
+    # a plan the trial did not verify exact (cuts, or a gradient check that failed) needs its NE confirmed
+    unjudged = [p for p in showing if quality_required and not p.user_attrs.get(Attr.EXACT)
+                and p.number not in quality]
     too_costly = [p for p in showing if quality_refused(quality.get(p.number), max_ne_gap, band)]
     showing = [p for p in showing if p not in too_costly and p not in unjudged]
     if showing:
@@ -168,8 +171,9 @@ def choose(front: list[FrontPoint], confirmed: dict[int, Confirmation], quality:
     if unjudged and not too_costly:
         p = unjudged[0]
         return Choice(point=p, confirmation=confirmed[p.number], quality=None, quality_refusal=True, refusal=(
-            f"the best confirmed plan, trial {p.number}, has cuts and its NE gap was not confirmed (the job's time "
-            "budget left it out): pass --quality-scale N to export to confirm it now"))
+            f"the best confirmed plan, trial {p.number}, is not exact (it has cuts, or its gradients differ from the "
+            "baseline's) and its NE gap was not confirmed (the job's time budget left it out): pass --quality-scale N "
+            "to export to confirm it now"))
     if too_costly:
         p = too_costly[0]
         q = quality[p.number]

@@ -430,10 +430,10 @@ def _confirm_reserve(space: SearchSpace, cost: StepCost | None, windows: int) ->
 
 
 def _quality_seconds(space: SearchSpace, cost: StepCost | None, points: list[FrontPoint]) -> float:
-    """What the quality confirmation of ``points`` costs: the plans with cuts and the baseline, each
-    trained ``quality_scale`` times a trial's steps per seed (exact plans are not trained)."""
+    """What the quality confirmation of ``points`` costs: the plans not verified exact and the
+    baseline, each trained ``quality_scale`` times a trial's steps per seed."""
     b = space.budget
-    trained = [p for p in points if (p.plan or {}).get("cuts")]
+    trained = [p for p in points if not p.user_attrs.get(Attr.EXACT)]
     if cost is None or not trained or not b.quality_scale:
         return 0.0
     return (len(trained) + 1) * b.quality_seeds * (cost.build_s + b.quality_scale * b.training_steps * cost.step_s)
