@@ -65,3 +65,12 @@ def test_a_plan_with_cuts_whose_ne_was_not_confirmed_is_not_chosen_when_quality_
     # a plan with no cuts whose gradient check failed is not exact either: it needs its NE confirmed too
     unverified = pareto_front(_study(None, [(GRAPH, 0.17, 0.0)]))
     assert choose(unverified, {0: confirmed[0]}, {}, max_ne_gap=0.01, band=0.0, quality_required=True).refusal
+
+
+def test_the_best_exact_plan_is_among_the_finalists():
+    from erase_tune.tune.search.study import finalists
+
+    cut2 = ErasePlan(cuts=(Cut(module="top_l", stream=1),), num_streams=1)
+    study = _study(None, [(CUT, 0.80, 0.011), (cut2, 0.60, 0.0003), (GRAPH, 0.50, 0.0), (CUT, 0.55, 0.009),
+                          (GRAPH, 0.44, 0.0)], exact={4})
+    assert [p.number for p in finalists(study, 0.02, 3)] == [0, 1, 4]

@@ -213,18 +213,21 @@ def pareto_front(study: optuna.Study, max_ne_gap: float | None = None) -> list[F
 
 
 def finalists(study: optuna.Study, max_ne_gap: float | None, k: int) -> list[FrontPoint]:
-    """The plans a job confirms: the front (within ``max_ne_gap``), then the next-best measured
-    plans within the budget by search gain, up to ``k`` in all. Exact plans share NE gap 0, so the
-    front of a study of graphs and placements is often its one best reading; the runners-up are
-    confirmed beside it, so a lucky reading cannot be the only candidate."""
+    """The plans a job confirms: the front (within ``max_ne_gap``), then the best plan its trial
+    verified exact (it needs no NE confirmation, so it can be exported whatever time is left), then
+    the next-best measured plans within the budget by search gain, up to ``k`` in all. Exact plans
+    share NE gap 0, so the front of a study of graphs and placements is often its one best
+    reading; the runners-up are confirmed beside it, so a lucky reading cannot be the only one."""
     front = pareto_front(study, max_ne_gap)[:k]
-    if len(front) >= k:
-        return front
     taken = {p.number for p in front}
     limit = None if max_ne_gap is None else max_ne_gap + noise_band(study)
     rest = sorted((t for t in measured(study) if t.number not in taken and (limit is None or t.values[1] <= limit)),
                   key=lambda t: (-t.values[0], t.values[1], t.number))
-    for t in rest[:k - len(front)]:  # repeats of a plan are not measured trials: no plan comes twice
+    exact = next((t for t in rest if t.user_attrs.get(Attr.EXACT)), None)
+    if exact is not None and not any(p.user_attrs.get(Attr.EXACT) for p in front):
+        front = front[:k - 1]  # its slot: the best plan that can be exported without training for NE
+        rest = [exact, *(t for t in rest if t is not exact)]
+    for t in rest[:max(0, k - len(front))]:  # repeats of a plan are not measured trials: no plan comes twice
         front.append(FrontPoint(number=t.number, qps_gain=t.values[0], ne_gap=t.values[1],
                                 gain_vs_eager=attr(t, "gain_vs_eager"), gain_vs_graph=attr(t, "gain_vs_graph"),
                                 gain_detach_only=attr(t, "gain_detach_only"), plan=t.user_attrs[Attr.PLAN],
