@@ -62,6 +62,7 @@ from torch import Tensor, nn
 from erase_tune.errors import WorkloadError, shown
 from erase_tune.workloads import fused_if_cuda
 from erase_tune.workloads.base import Batch, Workload, WorkloadData, prior_entropy
+from erase_tune.workloads.ctr import _bias_for_rate, _binary_entropy, _standardize  # the same teacher arithmetic
 from erase_tune.workloads.limits import (
     MAX_SEED,
     SYNTHETIC_BYTES_PER_ROW,
@@ -241,27 +242,6 @@ def parse_hidden(text: Any) -> list[int]:
 # ---------------------------------------------------------------------------------------
 # Synthetic data: a planted teacher over categorical fields
 # ---------------------------------------------------------------------------------------
-
-
-def _standardize(x: Tensor) -> Tensor:
-    # One value has no spread (std() would be NaN, and the labels' probabilities with it).
-    std = x.std().clamp_min(1e-6) if x.numel() > 1 else x.new_ones(())
-    return (x - x.mean()) / std
-
-
-def _binary_entropy(p: Tensor) -> Tensor:
-    p = p.clamp(1e-7, 1 - 1e-7)
-    return -(p * p.log() + (1 - p) * (1 - p).log())
-
-
-def _bias_for_rate(z: Tensor, rate: float, iters: int = 60) -> Tensor:
-    """The bias b with mean(sigmoid(z + b)) == rate, by bisection (on the device, no sync)."""
-    lo, hi = torch.full((), -40.0, device=z.device), torch.full((), 40.0, device=z.device)
-    for _ in range(iters):
-        mid = (lo + hi) / 2
-        too_high = torch.sigmoid(z + mid).mean() > rate
-        hi, lo = torch.where(too_high, mid, hi), torch.where(too_high, lo, mid)
-    return (lo + hi) / 2
 
 
 def _scale_for_bayes_ne(z: Tensor, rate: float, iters: int = 30) -> Tensor:
