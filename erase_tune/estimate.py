@@ -60,21 +60,22 @@ class Phase:
 def measure_step(workload: Workload, device: str | torch.device | None = None, *, steps: int = 5,
                  warmup: int = 3) -> StepCost:
     """Time the workload's baseline (an engine with the empty plan) for ``steps`` steps after
-    ``warmup``, synchronising the device after each (an estimate, not a measurement users act on:
-    the per-step sync hides pipelining, which makes it err long)."""
+    ``warmup`` on one example batch (:meth:`Workload.example`: no data pool is built), synchronising
+    the device after each (an estimate, not a measurement users act on: the per-step sync hides
+    pipelining, which makes it err long)."""
     device = resolve_device(device)
-    data = workload.make_data(device)
+    batch = workload.example(device)
     init = workload.build_model()
     started = time.perf_counter()
     engine = EraseEngine(copy.deepcopy(init).to(device), ErasePlan(), loss_fn=workload.loss_fn,
-                         optimizer=workload.optimizer, example=data.batch(0), make_head=workload.make_head,
+                         optimizer=workload.optimizer, example=batch, make_head=workload.make_head,
                          output=workload.output, model_loss=workload.model_loss)
     build_s = time.perf_counter() - started
     times = []
     try:
         for step in range(warmup + steps):
             t0 = time.perf_counter()
-            engine.step(*data.batch(step))
+            engine.step(*batch)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             if step >= warmup:

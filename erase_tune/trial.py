@@ -312,10 +312,10 @@ def prepare(workload: Workload, device: torch.device, seed: int) -> tuple[Worklo
     next call with the same workload, arguments, seed and device (a large model's initialisation
     and its data took most of a reference-DLRM trial's 15 s on an H200), with its random state
     restored, so a later trial starts exactly as the first did. Nothing reads back into them:
-    every variant trains a copy of the model."""
+    every variant trains a copy of the model. A workload with ``reuse_data`` off is built anew."""
     key = repr((workload.name, sorted(jsonable_args(workload.args).items()), seed, str(device),
                 _code(workload.build_model), _code(workload.make_data)))
-    hit = _PREPARED.get("key") == key
+    hit = workload.reuse_data and _PREPARED.get("key") == key
     if hit:
         data, init, rng = _PREPARED["value"]
         _set_rng_state(device, rng)
@@ -324,7 +324,8 @@ def prepare(workload: Workload, device: torch.device, seed: int) -> tuple[Worklo
     torch.manual_seed(seed)
     data = workload.make_data(device)
     init = workload.build_model()
-    _PREPARED.update(key=key, value=(data, init, _rng_state(device)))
+    if workload.reuse_data:
+        _PREPARED.update(key=key, value=(data, init, _rng_state(device)))
     return data, init
 
 

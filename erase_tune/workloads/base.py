@@ -83,6 +83,13 @@ class Workload:
     the aux heads then see ``output(model(*inputs))``. None: the model's output as it is
     (``EraseEngine``'s ``output=``)."""
 
+    reuse_data: bool = True
+    """``make_data`` and ``build_model`` are what their docstrings promise (deterministic, the same
+    on every call), so a trial worker keeps their results for the next trial, confirmation and
+    noise floor of the same job instead of building them again (a large model's initialisation
+    and its data pool are most of a short trial). False builds them anew for every one (a data
+    factory with side effects: one that reads a stream, or counts its calls)."""
+
     model_loss: Callable[[Any], Tensor] | None = None
     """Optional: picks the loss out of the output of a model that computes its own
     (``DLRMTrain``: ``lambda out: out[0]``): the main loss of training; ``loss_fn`` (on

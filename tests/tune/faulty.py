@@ -76,7 +76,8 @@ def workload(*, mode: str = "ok", tickets: str = "", **ctr_args: Any) -> Workloa
         loss = base.loss_fn(output, target)
         return loss * float("nan") if state["mode"] == "nan" else loss
 
-    return dataclasses.replace(base, make_data=make_data, loss_fn=loss_fn,
+    # every trial's make_data must run (it plays the trial's ticket): never kept between trials
+    return dataclasses.replace(base, make_data=make_data, loss_fn=loss_fn, reuse_data=False,
                                args={**base.args, "mode": mode, "tickets": tickets})
 
 

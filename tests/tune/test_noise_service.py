@@ -1,5 +1,5 @@
-"""The noise floor in the service: measured once per study before its trials (real Ray, SQLite
-and PostgreSQL), stored with the study, used by feasibility, reused on resume, shown by
+"""The noise floor in the service: measured once per study, when its first plan with cuts is about
+to run (real Ray, SQLite and PostgreSQL), stored with the study, used by feasibility, reused on resume, shown by
 status; quality confirmation of front plans recorded and carried into the exported file."""
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ def test_noise_floor_feasibility_resume_status_and_quality(storage_url, ray_clus
     space_path = write_space(
         tmp_path / "noise.yaml", trials=3, max_ne_gap=0.001,
         budget={"noise_repeats": 2, "quality_scale": 2, "quality_seeds": 2},
-        seeds=[{"name": "placed", "plan": {"num_streams": 1, "placements": [{"module": "subarchs.0", "stream": 1}]}}],
+        seeds=[{"name": "placed", "plan": {"num_streams": 1, "placements": [{"module": "subarchs.0", "stream": 1}]}},
+               {"name": "cut", "plan": {"num_streams": 1, "cuts": [{"module": "subarchs.1", "stream": 1}]}}],
         cuts={"modes": ["keep", "place", "detach"]})
     assert run_cli("start", "--space", space_path, "--study", "nf", "--storage", storage_url, "--repeats", 2) == 0
     capsys.readouterr()

@@ -24,15 +24,16 @@ def test_shipped_space_is_valid(path):
     space = SearchSpace.load(path)
     checked = check_space(space)
     assert checked.candidates and len(checked.seeds) == len(space.seeds)
-    assert space.seeds or path.stem in ("deepfm", "deepfm-smoke")  # deepfm's ship without seed plans
+    # the spaces of models users bring ship without seed plans: the structural screen finds them
+    assert space.seeds or path.stem in ("deepfm", "deepfm-smoke", "dlrm")
     if path.stem.endswith("-smoke"):
         assert space.device == "cpu" and space.trials == 8  # the README demo and the tests rely on it
     elif path.stem == "dlrm":  # its step cannot be captured whole: no graph baseline, a shorter study
         assert space.gain_over == "eager" and space.whole_step_graph == (False,) and space.device == "cuda"
-        assert space.trials >= 16
+        assert space.trials >= 12 and not space.seeds  # issue 27's target: 12 trials, no hints
     elif path.stem == "deepfm":  # the branches inside the eager step: gain over it, a short study
         assert space.gain_over == "eager" and space.whole_step_graph == (False,) and space.device == "cuda"
-        assert space.trials >= 16
+        assert space.trials >= 12
     elif space.gpus_per_trial > 1:  # a data-parallel study: shorter (scripts/gpu_campaign.sh phase c, 240 s)
         assert space.gain_over == "graph" and space.device == "cuda" and space.trials >= 8
     else:

@@ -21,6 +21,19 @@ EXACT_ONLY = """
 """
 
 
+@pytest.fixture
+def log_text(caplog):
+    """The job's log lines, in order (attached to erase-tune's logger itself: an earlier CLI test
+    in this process may have stopped it from propagating to the root logger)."""
+    logger = logging.getLogger("erase_tune")
+    logger.addHandler(caplog.handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    yield lambda: caplog.text
+    logger.removeHandler(caplog.handler)
+    logger.setLevel(level)
+
+
 def _say(progress) -> None:
     """The progress lines in the log, in order with the job's own lines (as ``erase-tune start`` shows them)."""
     logging.getLogger("erase_tune").info(progress.message)
@@ -37,13 +50,12 @@ def _space(tmp_path, modes: str, **budget: object) -> str:
     return str(path)
 
 
-def test_an_exact_only_space_measures_no_noise_floor_and_trains_nothing_for_ne(ray_cluster, tmp_path, caplog):
+def test_an_exact_only_space_measures_no_noise_floor_and_trains_nothing_for_ne(ray_cluster, tmp_path, log_text):
     url = f"sqlite:///{tmp_path / 'exact.db'}"
-    caplog.set_level(logging.INFO, logger="erase_tune")
     summary = start_job(_space(tmp_path, EXACT_ONLY), what=JobSpec(study_name="exact", trials=4, confirm_windows=0),
                         where=Where(storage=url, slots=1), on_progress=_say)
     assert summary.complete == 4 and summary.noise_band == 0.0
-    text = caplog.text
+    text = log_text()
     assert "noise floor" not in text
     study = optuna.load_study(study_name="exact", storage=url)
     assert Attr.NOISE_FLOOR not in study.user_attrs
@@ -63,13 +75,12 @@ def test_an_exact_only_space_measures_no_noise_floor_and_trains_nothing_for_ne(r
     assert text.index("estimate: screen (") < first_trial and "from a measured step of" in text
 
 
-def test_a_space_that_can_cut_measures_its_noise_floor_only_when_a_cut_runs(ray_cluster, tmp_path, caplog):
+def test_a_space_that_can_cut_measures_its_noise_floor_only_when_a_cut_runs(ray_cluster, tmp_path, log_text):
     url = f"sqlite:///{tmp_path / 'cuts.db'}"
-    caplog.set_level(logging.INFO, logger="erase_tune")
     start_job(_space(tmp_path, "  modes: [keep, place, detach]\n"), what=JobSpec(study_name="cuts", trials=8,
                                                                                  confirm_windows=0),
               where=Where(storage=url, slots=1), on_progress=_say)
-    text = caplog.text
+    text = log_text()
     study = optuna.load_study(study_name="cuts", storage=url)
     first_cut = min(t.number for t in measured(study) if t.user_attrs[Attr.PLAN].get("cuts"))
     assert first_cut > 0  # the screen runs the exact plans first
