@@ -15,7 +15,7 @@ from erase_tune.runtime import Cut, EraseEngine, ErasePlan, Graphed, Placement, 
 from erase_tune.workloads import get_workload
 from erase_tune.workloads.dlrm import DLRM_Net, _parameter_count
 from tests.workloads.test_criteo import _write_tsv
-from tests.workloads.training import train
+from tests.workloads.training import refused, train
 
 CPU = torch.device("cpu")
 SMALL = {"batch": 32, "rows": 50, "emb_dim": 4, "num_tables": 5, "bot_mlp": "16-4", "top_mlp": "16-8-1",
@@ -29,11 +29,7 @@ LEARN_STEPS = 300
 
 
 def _raises(match: str, **args) -> str:
-    with pytest.raises(WorkloadError, match=match) as info:
-        get_workload("dlrm", args)
-    message = str(info.value)
-    assert "\n" not in message and message.startswith("workload 'dlrm': "), message
-    return message
+    return refused("dlrm", match, **args)
 
 
 def test_the_reference_layout() -> None:

@@ -1,10 +1,22 @@
-"""A plain training loop for workload tests (the loop a user writes, no engine)."""
+"""Helpers for workload tests: a plain training loop (the loop a user writes, no engine) and the
+one-line refusal every built-in gives a bad argument."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from erase_tune.workloads import Workload, WorkloadData
+from erase_tune.errors import WorkloadError
+from erase_tune.workloads import Workload, WorkloadData, get_workload
+
+
+def refused(name: str, match: str, **args: object) -> str:
+    """The message ``get_workload(name, args)`` refuses with: one line, naming the workload."""
+    with pytest.raises(WorkloadError, match=match) as info:
+        get_workload(name, args)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"workload '{name}': "), message
+    return message
 
 
 def train(wl: Workload, data: WorkloadData, model: torch.nn.Module, steps: int,
