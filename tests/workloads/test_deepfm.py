@@ -15,7 +15,7 @@ import torch
 import yaml
 from torch import nn
 
-from erase_tune.errors import EraseTuneError, WorkloadError
+from erase_tune.errors import EraseTuneError
 from erase_tune.runtime import Cut, EraseEngine, ErasePlan, Graphed, Placement, probe
 from erase_tune.trial import Budget, run_trial
 from erase_tune.tune.search.checks import check_space
