@@ -9,7 +9,8 @@ floor judges noise. So before a study's trials the noise floor is measured:
 - the **reference**: the baseline (no cuts) trained exactly as a trial's baseline is (same
   seed, same init, batches in order), for the trial's training steps;
 - **perturbations that cannot matter**, each the baseline again from the same init:
-  ``order`` (the same batches in another order, one permutation per repeat) and, on CUDA,
+  ``order`` (the same batches in another order, one permutation per repeat, with other
+  dropout masks: the model's own randomness is noise a plan's gap may show) and, on CUDA,
   ``graph`` (the whole step captured as one CUDA graph with a capturable optimizer: the same
   mathematics, numerically different);
 - each perturbation's NE gap against the reference, and the **band**: the largest |gap|.
@@ -21,7 +22,8 @@ with the trial, which checks it: :func:`erase_tune.trial.run_trial` compares suc
 gradients with the baseline's and, when they agree, does not train it for NE at all).
 
 Quality confirmation (:func:`confirm_quality`) trains finalists longer, over several seeds,
-against the baseline trained the same way, and reports each NE gap with a 95% interval.
+against the baseline trained the same way (same batches, same dropout masks), and reports each
+NE gap with a 95% interval.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch
 
 from erase_tune.errors import EraseTuneError
 from erase_tune.measure import provenance, t_interval
+from erase_tune.measure.rng import SeededRandom
 from erase_tune.runtime import ErasePlan
 from erase_tune.runtime.device import resolve_device
 from erase_tune.trial import (
@@ -113,10 +116,13 @@ def _order(steps: int, pool: int, seed: int | None) -> list[int]:
 
 
 def train_ne(workload: Workload, plan: ErasePlan, init: torch.nn.Module, data: WorkloadData, device: torch.device,
-             steps: int, *, order_seed: int | None = None, process_group: Any = None, check: bool = False) -> float:
+             steps: int, *, random_seed: int, order_seed: int | None = None, process_group: Any = None,
+             check: bool = False) -> float:
     """Train a copy of ``init`` under ``plan`` for ``steps`` steps and return its held-out NE.
     ``order_seed`` None trains on the batches in a trial's order; otherwise the same batches
-    in an order permuted by that seed. ``check``: check the workload's loss first
+    in an order permuted by that seed. The steps draw their random numbers (dropout masks) from
+    ``random_seed``'s own sequence (:class:`~erase_tune.measure.rng.SeededRandom`): a trial's
+    variants draw from ``budget.seed``'s. ``check``: check the workload's loss first
     (:func:`erase_tune.trial.check_workload_loss`). Data parallel: rank r trains batch ``s·k + r`` of the
     (permuted) order, as a trial does."""
     rank, world = ranks_of(process_group)
@@ -128,11 +134,13 @@ def train_ne(workload: Workload, plan: ErasePlan, init: torch.nn.Module, data: W
             engine.close()
             raise
     order = _order(steps * world, len(data.train), order_seed)
+    random = SeededRandom(device, random_seed)
     try:
         loss = None
         for s in range(steps):
             inputs, target = data.train[order[s * world + rank]]
-            loss = engine.step(inputs, target)
+            with random.drawing():
+                loss = engine.step(inputs, target)
         if loss is not None and not bool(torch.isfinite(loss)):
             raise TrialFailed(f"training loss became {float(loss)} ({plan.describe()})")
         ne = workload.normalized_entropy(engine.model, data)
@@ -164,16 +172,18 @@ def measure_noise_floor(workload: Workload, budget: Budget = Budget(), *, repeat
     steps = budget.training_steps
     base = ErasePlan()
     try:
-        reference = train_ne(workload, base, init, data, device, steps, process_group=process_group, check=True)
+        reference = train_ne(workload, base, init, data, device, steps, random_seed=budget.seed,
+                             process_group=process_group, check=True)
         gaps, kinds = [], []
-        for r in range(repeats):
-            ne = train_ne(workload, base, init, data, device, steps, order_seed=budget.seed * 1000 + r + 1,
+        for r in range(repeats):  # another order of the batches, and other dropout masks
+            seed = budget.seed * 1000 + r + 1
+            ne = train_ne(workload, base, init, data, device, steps, order_seed=seed, random_seed=seed,
                           process_group=process_group)
             gaps.append((ne - reference) / reference)
             kinds.append("order")
         if graph:
             ne = train_ne(workload, ErasePlan(whole_step_graph=True), init, data, device, steps,
-                          process_group=process_group)
+                          random_seed=budget.seed, process_group=process_group)
             gaps.append((ne - reference) / reference)
             kinds.append("graph")
     finally:
@@ -245,12 +255,14 @@ def confirm_quality(workload: Workload, plans: Mapping[str, ErasePlan], *, budge
         for order in orders:
             if not trained:
                 break
-            ref = train_ne(workload, ErasePlan(), init, data, device, steps, order_seed=order,
+            masks = budget.seed if order is None else order  # a plan draws its baseline's masks
+            ref = train_ne(workload, ErasePlan(), init, data, device, steps, order_seed=order, random_seed=masks,
                            process_group=process_group, check=not base_ne)
             base_ne.append(ref)
             for name, p in trained.items():
                 progress(f"quality: plan {name}, order {order}")
-                ne = train_ne(workload, p, init, data, device, steps, order_seed=order, process_group=process_group)
+                ne = train_ne(workload, p, init, data, device, steps, order_seed=order, random_seed=masks,
+                              process_group=process_group)
                 per[name].append((ne - ref) / ref)
     finally:
         release((), device)

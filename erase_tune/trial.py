@@ -50,6 +50,7 @@ import torch
 
 from erase_tune.errors import CaptureError, EraseTuneError, one_line, shown
 from erase_tune.measure import GainEstimate, StopRule, measure_gains, provenance, qps_summary
+from erase_tune.measure.rng import SeededRandom, global_state, set_global_state
 from erase_tune.measure.stats import gain
 from erase_tune.runtime import EraseEngine, ErasePlan
 from erase_tune.runtime.device import resolve_device
@@ -259,10 +260,18 @@ class Variant:
     rank: int = 0
     world: int = 1
     """Data parallel: this rank trains step ``s`` on batch ``s·world + rank``."""
+    random: SeededRandom | None = None
+    """The random numbers its steps draw (dropout masks): the variants a trial compares each
+    draw their own copy of one seed's, so they draw alike however they are interleaved. None:
+    torch's global generators as they are."""
 
     def __call__(self, step: int) -> None:
         inputs, target = self.data.batch(step * self.world + self.rank)
-        self.last_loss = self.engine.step(inputs, target)
+        if self.random is None:
+            self.last_loss = self.engine.step(inputs, target)
+            return
+        with self.random.drawing():
+            self.last_loss = self.engine.step(inputs, target)
 
 
 def build_engine(workload: Workload, plan: ErasePlan, init: torch.nn.Module, data: WorkloadData,
@@ -282,16 +291,6 @@ def build_engine(workload: Workload, plan: ErasePlan, init: torch.nn.Module, dat
         output=workload.output,
         model_loss=workload.model_loss,
     )
-
-
-def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-
-
-def _set_rng_state(device: torch.device, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], device)
 
 
 _PREPARED: dict[str, Any] = {}
@@ -318,14 +317,14 @@ def prepare(workload: Workload, device: torch.device, seed: int) -> tuple[Worklo
     hit = workload.reuse_data and _PREPARED.get("key") == key
     if hit:
         data, init, rng = _PREPARED["value"]
-        _set_rng_state(device, rng)
+        set_global_state(device, rng)
         return data, init
     _PREPARED.clear()  # the old one goes before the new one is made (a large model and its data twice may not fit)
     torch.manual_seed(seed)
     data = workload.make_data(device)
     init = workload.build_model()
     if workload.reuse_data:
-        _PREPARED.update(key=key, value=(data, init, _rng_state(device)))
+        _PREPARED.update(key=key, value=(data, init, global_state(device)))
     return data, init
 
 
@@ -404,7 +403,6 @@ def run_trial(
     checked: list[float] = []  # the exactness check's largest difference, once it ran
     exact_ok: list[bool] = []
     variants: dict[str, Variant] = {}
-    warm_rng: list[Any] = []
 
     def check_exact() -> None:
         """After the warm-up: the candidate's gradients of the last warm-up step against the
@@ -415,17 +413,14 @@ def run_trial(
         diff, ok = gradient_difference(cand, base)
         if not ok and process_group is None:  # (several ranks would have to agree to build the twin)
             twin = Variant(plan=ErasePlan(), engine=build_engine(workload, ErasePlan(), init, data, device),
-                           data=data)
-            now = _rng_state(device)
+                           data=data, random=SeededRandom(device, budget.seed))  # the baseline's masks
             try:
-                _set_rng_state(device, warm_rng[0])  # the baseline's random stream: a dropout mask is no noise
                 for step in range(budget.warmup_steps):
                     twin(step)
                 noise = gradient_differences(twin.engine.model, base, norm="l2")
                 if noise is not None:
                     diff, ok = gradient_difference(cand, base, [n for n, _ in noise])
             finally:
-                _set_rng_state(device, now)
                 release([twin], device)
         if process_group is not None:  # every rank decides the same (rank-local kernels may differ)
             diff, ok = _agree_worst(diff, ok, device, process_group)
@@ -435,10 +430,9 @@ def run_trial(
     try:
         for name, p in plans.items():
             variants[name] = Variant(plan=p, engine=build_engine(workload, p, init, data, device, process_group),
-                                     data=data, rank=rank, world=world)
+                                     data=data, rank=rank, world=world, random=SeededRandom(device, budget.seed))
             if name == "baseline":  # before any cut's aux head is sized: a bad loss is the loss's fault
                 check_workload_loss(workload, variants[name].engine.model, data)
-        warm_rng.append(_rng_state(device))  # where the baseline's warm-up starts drawing
         measured = measure_gains(
             variants, device=device, warmup_steps=budget.warmup_steps, window_steps=budget.window_steps,
             rule=budget.stop_rule(below=stop_below), pairs=pairs, deciding=("candidate",),

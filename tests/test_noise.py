@@ -41,7 +41,8 @@ def test_the_noise_floor_is_measured_finite_and_from_real_perturbations(workload
     # ... and the reference is the trial's own baseline training (same steps, same order).
     data = workload.make_data(CPU)
     torch.manual_seed(BUDGET.seed)
-    again = train_ne(workload, ErasePlan(), workload.build_model(), data, CPU, BUDGET.training_steps)
+    again = train_ne(workload, ErasePlan(), workload.build_model(), data, CPU, BUDGET.training_steps,
+                     random_seed=BUDGET.seed)
     assert again == floor.ne_reference
     assert floor.training_steps == BUDGET.training_steps and floor.provenance["repeats"] == 2
     assert NoiseFloor.from_dict(floor.to_dict()) == floor

@@ -29,11 +29,9 @@ Where it differs from pytorch-fm, and why:
 - The linear term's table starts at zero. pytorch-fm leaves ``nn.Embedding``'s N(0, 1)
   there, which puts a logit of standard deviation √F on every example before training;
   in the few hundred steps of a trial the rare ids never recover from it.
-- ``dropout`` defaults to 0.0. With dropout, a plan that changes no gradient (a placement,
-  a graphed piece) can still draw other dropout masks than its reference does (a graphed
-  piece's replays draw from the graph's own generator offsets, a side stream orders the
-  draws differently), and erase-tune does not yet align them: such a plan's NE gap is then
-  noise, not the 0 it should be.
+- ``dropout`` defaults to 0.0, as pytorch-fm's examples use it. With dropout, a trial's
+  baseline and candidate draw the same masks (each its own copy of one seed's random
+  numbers), so a plan that changes no gradient still reads an NE gap of exactly 0.
 
 The synthetic data are categorical only, as DeepFM's inputs are. Ids are drawn per field
 from a Zipf-like popularity (a few head ids take most examples, as real CTR ids do), and
@@ -413,10 +411,10 @@ def workload(
     ``batch=256, num_fields=8, rows=50, emb_dim=8, mlp="32-32"``.
 
     ``mlp`` lists the MLP's hidden widths (each Linear, BatchNorm1d, ReLU, Dropout; the
-    output layer to 1 is added). ``dropout`` is the MLP's; keep it 0.0 for tuning (see the
-    module docstring). ``lr`` is Adam's, 1e-3 as in pytorch-fm's examples: at the default
-    sizes (26 fields of 10,000 rows, 428 steps, on a CPU) held-out NE was 0.699 at 1e-3,
-    0.713 at 3e-3 and 0.863 at 1e-2; the small CPU test sizes learn faster at 1e-2. Give a
+    output layer to 1 is added). ``dropout`` is the MLP's (see the module docstring).
+    ``lr`` is Adam's, 1e-3 as in pytorch-fm's examples: at the default sizes (26 fields of
+    10,000 rows, 428 steps, on a CPU) held-out NE was 0.699 at 1e-3, 0.713 at 3e-3 and 0.863
+    at 1e-2; the small CPU test sizes learn faster at 1e-2. Give a
     run at least as many ``train_batches`` as steps: CTR models over-fit once they see
     examples again (see ``ctr``).
     """

@@ -135,8 +135,7 @@ def test_a_plan_that_changes_no_gradient_is_verified_exact_and_not_trained_for_n
 
 
 def _with_dropout() -> Workload:
-    """The same model with dropout in its bottom tower: its gradients depend on the RNG stream,
-    which the baseline's warm-up and the candidate's consume one after the other."""
+    """The same model with dropout in its bottom tower: its gradients depend on the masks drawn."""
     base = workload()
 
     def build() -> nn.Module:
@@ -147,11 +146,42 @@ def _with_dropout() -> Workload:
     return dataclasses.replace(base, build_model=build)
 
 
-def test_the_exactness_check_refuses_a_plan_whose_gradients_differ(ne_calls):
-    """A placement changes no gradient by construction, but under dropout the candidate's last
-    warm-up step does not compute the baseline's gradients: the check says so, and the plan is
-    measured for NE like a plan with cuts."""
-    result = run_trial(_with_dropout(), PLACED, BUDGET, device="cpu")
+@pytest.mark.parametrize("plan", [PLACED, ErasePlan(), ErasePlan(graphs=(Graphed(module="left"),))],
+                         ids=["placement", "empty", "graphed"])
+def test_under_dropout_a_plan_that_changes_no_gradient_draws_its_baselines_masks(plan, ne_calls):
+    """Baseline and candidate are stepped in alternation, yet each draws its own copy of one seed's
+    random numbers: the same masks at the same step, so the gradients agree bitwise, the plan is
+    exact and its NE gap is exactly 0 with no training for NE."""
+    torch.rand(3)  # whatever the global generator holds before the trial
+    result = run_trial(_with_dropout(), plan, BUDGET, device="cpu")
+    assert result.exact and result.exact_diff == 0.0 and result.ne_gap == 0.0 and not ne_calls
+
+
+def test_under_dropout_a_cut_reads_the_gap_of_the_cut_alone(ne_calls):
+    """A plan with cuts is trained for NE; its baseline and it draw the same masks, so a trial of
+    the same cut twice reads the same gap to the last bit (no mask is noise)."""
+    first = run_trial(_with_dropout(), CUT, BUDGET, device="cpu")
+    torch.rand(5)
+    again = run_trial(_with_dropout(), CUT, BUDGET, device="cpu")
+    assert not first.exact and len(ne_calls) == 4 and math.isfinite(first.ne_gap)
+    assert (first.ne_baseline, first.ne_candidate) == (again.ne_baseline, again.ne_candidate)
+
+
+def test_the_exactness_check_refuses_a_plan_whose_gradients_differ(monkeypatch, ne_calls):
+    """A placement changes no gradient by construction; one that did (planted here: the placed
+    candidate's gradients scaled by 1% after each step) is caught by the check and measured for
+    NE like a plan with cuts."""
+    original = Variant.__call__
+
+    def call(self, step):
+        original(self, step)
+        if self.plan.placements:
+            for p in self.engine.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(1.01)
+
+    monkeypatch.setattr(Variant, "__call__", call)
+    result = run_trial(workload(), PLACED, BUDGET, device="cpu")
     assert not result.exact and result.exact_diff > EXACT_RTOL[torch.float32]
     assert len(ne_calls) == 2 and math.isfinite(result.ne_gap) and result.ne_candidate > 0
 
@@ -279,7 +309,7 @@ def _nondeterministic() -> Workload:
 def test_a_backward_that_is_not_deterministic_is_judged_against_the_baseline_against_itself(ne_calls):
     """The bottom tower's gradients differ run to run by ~1e-3 (beyond float32's tolerance): a
     placement is still exact, since it differs from the baseline no more than a twin of the
-    baseline does; under dropout it is not (the twin draws the baseline's random stream)."""
+    baseline does (the jitter's generator is the model's own, not torch's global one)."""
     result = run_trial(_nondeterministic(), PLACED, BUDGET, device="cpu")
     assert result.exact and EXACT_RTOL[torch.float32] < result.exact_diff < 1e-2 and not ne_calls
     cut = run_trial(_nondeterministic(), CUT, BUDGET, device="cpu")
