@@ -85,12 +85,12 @@ __all__ = [
 ]
 
 CANDIDATES = ("linear", "mlp", "fm")
-"""The three branches, as a search space names them. ``fm`` comes last: it has no parameters,
-so detaching it would train nothing and only take its gradient off the shared embedding, and
-with ``mlp`` detached too nothing would train the embedding at all. A space that lists no
-candidates of its own gets these, and the space check, detaching each earlier one it can,
-then finds ``fm`` never detachable and offers it its other modes (listed before ``mlp``, it
-would be ``mlp`` that lost detach)."""
+"""The three branches, as a search space names them. Detaching any one leaves the others
+training the shared embedding, so each may be detached; but ``fm`` has no parameters, and with
+``mlp`` detached too nothing would train the embedding at all: the search's guard never offers
+the second of the two once the first is detached (a space that lists no candidates of its own
+gets these). Detaching ``fm`` trains nothing and only takes its gradient off the embedding,
+which is why the shipped spaces give it its other modes only."""
 
 # Teacher constants: fixed (not workload args), so that a workload name plus its args pins
 # the data down. Chosen as ``ctr``'s are: few informative ids per field (a bounded number of

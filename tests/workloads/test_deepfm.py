@@ -15,7 +15,7 @@ import torch
 import yaml
 from torch import nn
 
-from erase_tune.errors import EraseTuneError
+from erase_tune.errors import EraseTuneError, PlanError
 from erase_tune.runtime import Cut, EraseEngine, ErasePlan, Graphed, Placement, probe
 from erase_tune.trial import Budget, run_trial
 from erase_tune.tune.search.checks import check_space
@@ -161,10 +161,11 @@ def test_the_memory_estimate_counts_the_model_that_is_built(args: dict) -> None:
 
 def test_the_example_is_cheap_at_gpu_sizes() -> None:
     # Building the workload and one example batch in a fresh process at the GPU space's sizes:
-    # the per-field id order (26 x 100,000) and one batch, not the pools (512 batches of 4096).
+    # the per-field id order (26 x 100,000) and one batch, not the pools (512 batches of 4096:
+    # 436 MB of ids). Judged by memory, which a loaded machine does not stretch as it does time.
     (result,) = measure([{"name": "deepfm", "args": {"train_batches": 512, "eval_batches": 16}, "example": True}])
     assert result["error"] is None, result["error"]
-    assert result["seconds"] < 1.5 and result["grew"] < 200 * MB, result
+    assert result["grew"] < 200 * MB, result
 
 
 # ---------------------------------------------------------------------------------------
@@ -351,17 +352,35 @@ def test_the_spaces_offer_fm_no_detach_and_no_plan_that_starves_the_embedding() 
 
 
 @pytest.mark.parametrize("candidates", [["linear", "fm", "mlp"], ["linear", "mlp", "fm"]])
-def test_a_space_that_lets_fm_and_mlp_both_detach_is_refused(tmp_path: Path, candidates: list[str]) -> None:
+def test_sibling_branches_may_each_be_detached_but_never_all_that_train_the_embedding(
+        tmp_path: Path, candidates: list[str]) -> None:
+    """Three branches over one embedding: detaching any one leaves the others training it, so a
+    space listing all three for detach is accepted in any order; the search never proposes the
+    plan that detaches both fm and mlp (nothing would train the embedding), and that plan, given
+    directly, is refused in one line naming the cuts that cause it."""
     text = yaml.safe_load((SPACES / "deepfm-smoke.yaml").read_text())
     text["cuts"]["candidates"] = candidates
-    path = tmp_path / "both.yaml"
+    path = tmp_path / "siblings.yaml"
     path.write_text(yaml.safe_dump(text))
-    with pytest.raises(EraseTuneError, match=r"cuts.candidates: plan leaves 1 parameters untrained: "
-                                             r"embedding.embedding.weight \(cuts '(fm|mlp)', '(fm|mlp)' together"):
-        check_space(SearchSpace.load(path))
+    bound = check_space(SearchSpace.load(path))
+    assert all(bound.can_detach((), c) for c in ("linear", "fm", "mlp"))
+    assert not bound.can_detach((Cut(module="fm"),), "mlp") and not bound.can_detach((Cut(module="mlp"),), "fm")
+    wl = get_workload("deepfm", dict(text["workload"]["args"]))
+    found = probe(wl.build_model(), tuple(wl.example(CPU)[0]), bound.candidates)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    detached = set()
+    for _ in range(200):
+        plan = bound.plan(study.ask())
+        found.check_plan(plan)  # every plan the search can propose is one the engine accepts
+        detached.add(frozenset(c.module for c in plan.cuts))
+    assert {frozenset({"fm"}), frozenset({"mlp"}), frozenset({"linear", "fm"}), frozenset({"linear", "mlp"})} <= detached
+    assert not any({"fm", "mlp"} <= d for d in detached)
+    with pytest.raises(PlanError, match=r"^plan leaves 1 parameters untrained: embedding.embedding.weight \(cuts "
+                                        r"'(fm|mlp)', '(fm|mlp)' together detach everything upstream of them\)$"):
+        found.check_plan(ErasePlan(cuts=(Cut(module="fm"), Cut(module="mlp"))))
 
 
-def test_with_the_workloads_own_candidates_fm_is_never_detached(tmp_path: Path) -> None:
+def test_with_the_workloads_own_candidates_fm_is_detached_only_while_mlp_is_not(tmp_path: Path) -> None:
     text = yaml.safe_load((SPACES / "deepfm-smoke.yaml").read_text())
     text["cuts"]["candidates"] = []
     path = tmp_path / "own.yaml"
@@ -369,7 +388,8 @@ def test_with_the_workloads_own_candidates_fm_is_never_detached(tmp_path: Path) 
     bound = check_space(SearchSpace.load(path))
     assert bound.candidates == ["linear", "mlp", "fm"]
     assert bound.can_detach((), "mlp") and bound.can_detach((Cut(module="linear"),), "mlp")
-    assert not any(bound.can_detach(cuts, "fm") for cuts in [(), (Cut(module="linear"),), (Cut(module="mlp"),)])
+    assert bound.can_detach((), "fm") and bound.can_detach((Cut(module="linear"),), "fm")
+    assert not bound.can_detach((Cut(module="mlp"),), "fm")
 
 
 def test_a_trial_of_the_smoke_space_runs_on_the_cpu() -> None:

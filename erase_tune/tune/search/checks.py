@@ -6,14 +6,15 @@ what its modes ask, as the plan checker would check it in a trial: it exists, it
 a run of blocks is a chain; if it may be graphed, it takes and returns tensors and is called
 once; if it may be detached, it does not produce the model's output. A candidate that can
 never be detached (it produces the output, or detaching it would leave a parameter untrained
-even with every candidate before it detached too: a cut upstream of which nothing else
-trains the embeddings, say) may still be placed or graphed, but a space that lists it with
+both alone and with every candidate before it detached too: a cut upstream of which nothing
+else trains the embeddings, say) may still be placed or graphed, but a space that lists it with
 detach among its modes is refused, with one line naming it and why: give it its own modes
 (``{module: top_l, modes: [keep, place, graph]}``). Only the workload's own candidates (a
 space that lists none) are taken as they come: one that can never be detached is offered
 its other modes. For the others the probe gives the search a guard: detaching a candidate is
-offered only when the cuts chosen before it cover its upstream (on a chain: the first
-segment first), so no trial is ever spent on a plan that starves a parameter. Seeds are
+offered only when it starves nothing the cuts chosen before it did not (on a chain: the first
+segment first; of sibling branches over a shared input, all but one), so no trial is ever
+spent on a plan that starves a parameter. Seeds are
 checked as whole plans. What it returns is the space bound to its model
 (:class:`~erase_tune.tune.search.codec.BoundSpace`): the codec every later step uses.
 """
@@ -66,7 +67,7 @@ def check_space(space: SearchSpace) -> BoundSpace:
                 continue
             why = _never_detached(found, base_guard, greedy, c)
             if why is None:
-                if not any(targets_overlap(c, g.module) for g in greedy):
+                if not any(targets_overlap(c, g.module) for g in greedy) and base_guard(greedy, c):
                     greedy.append(Cut(module=c))
             elif space.candidates or not set(modes) - {"keep", "detach"}:
                 # Listed by the user for detaching: say why it cannot be, rather than never do it.
@@ -91,13 +92,17 @@ def check_space(space: SearchSpace) -> BoundSpace:
 
 
 def _never_detached(found: ProbeResult, can_detach: Guard, greedy: Sequence[Cut], candidate: str) -> str | None:
-    """Why no plan can detach ``candidate`` (``greedy``: every earlier candidate that can be
-    detached, detached), or None if one can."""
+    """Why no plan can detach ``candidate``, or None if one can: detaching it alone starves
+    nothing (a sibling branch over a shared input: the other branches still train the input),
+    or detaching it after every earlier candidate that can be detached (``greedy``) does (a
+    later segment of a chain, whose upstream the earlier cuts train)."""
     try:
         found.check_cut(candidate)
     except PlanError as e:
         return str(e)
-    if any(targets_overlap(candidate, g.module) for g in greedy) or can_detach(greedy, candidate):
+    if can_detach([], candidate) or any(targets_overlap(candidate, g.module) for g in greedy) \
+            or can_detach(greedy, candidate):
         return None
-    plan = ErasePlan(cuts=(*greedy, Cut(module=candidate)))
-    return f"{found.starved_message(plan, found.untrained(plan))}, even with every candidate before it detached too"
+    plan = ErasePlan(cuts=(Cut(module=candidate),))
+    alone = found.starved_message(plan, found.untrained(plan))
+    return f"{alone}, even with every candidate before it detached too" if greedy else alone
