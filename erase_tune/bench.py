@@ -51,12 +51,21 @@ from erase_tune.measure import (
 from erase_tune.measure.hostcpu import host_cpu_interleaved, host_tax
 from erase_tune.measure.protocol import ProtocolResult
 from erase_tune.runtime import Cut, ErasePlan, Placement
-from erase_tune.runtime.probe import probe
+from erase_tune.runtime.probe import ProbeResult, probe
 from erase_tune.runtime.device import resolve_device
-from erase_tune.trial import Budget, Variant, build_engine, jsonable_args, reference_capture_error, release
+from erase_tune.trial import (
+    Budget,
+    Variant,
+    build_engine,
+    capture_error,
+    jsonable_args,
+    reference_capture_error,
+    release,
+)
 from erase_tune.workloads import Workload, WorkloadData
 
-__all__ = ["BenchRow", "BenchResult", "bench_plans", "run_bench", "detachable", "disjoint_cuts", "cheapest", "HOST_ROWS"]
+__all__ = ["BenchRow", "BenchResult", "bench_plans", "run_bench", "choose_cuts", "detachable", "disjoint_cuts", "cheapest",
+           "HOST_ROWS"]
 
 PLAIN = "plain loop"
 EAGER = "eager baseline"
@@ -106,6 +115,10 @@ class BenchResult:
     """Why the whole-step-graph rows were left out (the step cannot be captured whole), or None."""
     host_cpu: str | None = None
     """How the host-cost rows' CPU time was measured (whether device waits were left out)."""
+    skipped: tuple[tuple[str, str], ...] = ()
+    """Rows that cannot run on this model and were left out: (row, why), one line each."""
+    left_out: tuple[tuple[str, str], ...] = ()
+    """Candidates the ERASE rows do not cut (bench chose the cuts): (candidate, why)."""
 
     def row(self, name: str) -> BenchRow:
         return next(r for r in self.rows if r.name == name)
@@ -119,6 +132,8 @@ class BenchResult:
             "provenance": dict(self.provenance),
             "graph_error": self.graph_error,
             "host_cpu": self.host_cpu,
+            "skipped": [list(x) for x in self.skipped],
+            "left_out": [list(x) for x in self.left_out],
         }
 
     def table(self) -> str:
@@ -153,24 +168,34 @@ def _ratio(r: tuple[float, float, float]) -> str:
     return f"{r[0]:.2f}x [{r[1]:.2f}-{r[2]:.2f}]"
 
 
-def detachable(candidates: Sequence[str], model: torch.nn.Module, workload: Workload, data: WorkloadData) -> list[str]:
-    """Candidates cut together, upstream first: each one that can be cut (a module that produces
-    the model's output, or returns more than one tensor, can only be placed or graphed), does not
-    overlap those before it, and leaves no parameter untrained with them (judged by one probe
-    forward of ``model``)."""
-    inputs, _ = data.batch(0)
-    found = probe(model, inputs if isinstance(inputs, tuple) else (inputs,), list(candidates),
-                  output=workload.output, model_loss=workload.model_loss)
+def detachable(candidates: Sequence[str], model: torch.nn.Module, workload: Workload,
+               data: WorkloadData) -> list[str]:
+    """Candidates cut together, upstream first (see :func:`choose_cuts`), judged by one probe
+    forward of ``model``."""
+    return choose_cuts(_probe(candidates, model, workload, data), candidates)[0]
+
+
+def choose_cuts(found: ProbeResult, candidates: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """``(cuts, left out)``: candidates cut together, upstream first, each one that can be cut (a
+    module that produces the model's output, or returns more than one tensor, can only be placed
+    or graphed), does not overlap those before it, and with them leaves no parameter untrained
+    and the main loss a gradient path; and why each other candidate was left out (one line each)."""
     keep: list[str] = []
+    left_out: dict[str, str] = {}
     for c in candidates:
         try:
-            found.check_cut(c)
-            plan = ErasePlan(cuts=tuple(Cut(module=m) for m in [*keep, c]))
-        except EraseTuneError:  # PlanError included: cannot be cut, or overlaps one kept
+            found.check_plan(ErasePlan(cuts=tuple(Cut(module=m) for m in [*keep, c])))
+        except EraseTuneError as e:  # cannot be cut, overlaps one kept, starves, or cuts the output off
+            left_out[c] = one_line(str(e), 300)
             continue
-        if not found.untrained(plan):
-            keep.append(c)
-    return keep
+        keep.append(c)
+    return keep, left_out
+
+
+def _probe(candidates: Sequence[str], model: torch.nn.Module, workload: Workload, data: WorkloadData) -> ProbeResult:
+    inputs, _ = data.batch(0)
+    return probe(model, inputs if isinstance(inputs, tuple) else (inputs,), list(candidates),
+                 output=workload.output, model_loss=workload.model_loss)
 
 
 def disjoint_cuts(candidates: Sequence[str]) -> list[str]:
@@ -198,12 +223,11 @@ def cheapest(candidates: Sequence[str], model: torch.nn.Module) -> str:
     return min(candidates, key=size)
 
 
-def bench_plans(cuts: Sequence[str], streams: int, device: torch.device,
-                host: str | None = None) -> dict[str, ErasePlan | None]:
+def bench_plans(cuts: Sequence[str], streams: int, device: torch.device, host: str | None = None, *,
+                host_cut: str | None = None) -> dict[str, ErasePlan | None]:
     """The variants ``erase-tune bench`` compares (``None`` is the plain hand-written loop);
-    ``host``: the candidate the host-cost rows place and cut (none without it)."""
-    if not cuts:
-        raise EraseTuneError("bench: no cuts to compare (the workload lists no cut candidates)")
+    ``host``: the candidate the host-cost rows place and, unless ``host_cut`` names another (one
+    that can be cut alone), cut (no host-cost rows without it). No ``cuts``: no ERASE rows."""
     if streams < 1:
         raise EraseTuneError(f"bench: streams must be >= 1, got {streams}")
 
@@ -211,21 +235,24 @@ def bench_plans(cuts: Sequence[str], streams: int, device: torch.device,
         cs = tuple(Cut(module=c, stream=1 + i % streams, graph=graph) for i, c in enumerate(cuts))
         return ErasePlan(cuts=cs, num_streams=streams, **kw)
 
-    placed = ErasePlan(placements=tuple(Placement(module=c, stream=1 + i % streams) for i, c in enumerate(cuts)),
-                       num_streams=streams, whole_step_graph=True)
-
     plans: dict[str, ErasePlan | None] = {PLAIN: None, EAGER: ErasePlan()}
     if host is not None:
         plans[ONE_PLACEMENT] = ErasePlan(placements=(Placement(module=host, stream=1),), num_streams=1)
-        plans[ONE_CUT] = ErasePlan(cuts=(Cut(module=host, stream=1),), num_streams=1, dispatch="blocking")
+    if host_cut or host:
+        plans[ONE_CUT] = ErasePlan(cuts=(Cut(module=host_cut or host, stream=1),), num_streams=1,
+                                   dispatch="blocking")
     cuda = device.type == "cuda"
     if cuda:
         plans[GRAPH] = ErasePlan(whole_step_graph=True)
+    if not cuts:
+        return plans
     plans["ERASE blocking"] = erase(dispatch="blocking")
     plans["ERASE threaded"] = erase(dispatch="threaded")
     if cuda:
         plans["ERASE per-cut graphs"] = erase(graph=True, dispatch="threaded")
-        plans["graph + placement only"] = placed
+        plans["graph + placement only"] = ErasePlan(
+            placements=tuple(Placement(module=c, stream=1 + i % streams) for i, c in enumerate(cuts)),
+            num_streams=streams, whole_step_graph=True)
         plans["graph + detach only"] = dataclasses.replace(erase().detach_only(), whole_step_graph=True)
         plans["graph + ERASE"] = erase(dispatch="blocking", whole_step_graph=True)
     return plans
@@ -271,72 +298,38 @@ def run_bench(
     trace_dir: str | Path | None = None,
     only: Sequence[str] | None = None,
 ) -> BenchResult:
-    """Time every variant of :func:`bench_plans` on ``workload``; see the module docstring."""
+    """Time every variant of :func:`bench_plans` that can run on ``workload``; see the module
+    docstring. A row that cannot run is left out with one line saying why
+    (:attr:`BenchResult.skipped`); the rest are timed."""
     if trace_dir is not None:  # before anything runs: a --trace that cannot be written fails at once
         trace_dir = _trace_dir(trace_dir)
     device = resolve_device(device)
     if cuts:
-        bench_plans(list(cuts), streams, device)  # bad cuts or streams: refused before anything runs
+        bench_plans(list(cuts), streams, device)  # overlapping cuts or bad streams: refused before anything runs
     # Before anything else runs in this process (a failed capture can upset the CUDA RNG).
     graph_error = reference_capture_error(workload, device, seed=budget.seed)
     torch.manual_seed(budget.seed)
     data = workload.make_data(device)
     init = workload.build_model()
-    if cuts:
-        chosen = list(cuts)
-    else:  # the workload's candidates that can be detached together
-        model = copy.deepcopy(init).to(device)
-        chosen = detachable(workload.cut_candidates, model, workload, data)
-        del model
-        if not chosen:
-            raise EraseTuneError(f"bench: none of {workload.name}'s cut candidates can be detached "
-                                 f"({', '.join(workload.cut_candidates)}): name modules to cut with --cuts")
-    plans = bench_plans(chosen, streams, device, host=cheapest(chosen, init))
+    rows = _choose_rows(workload, init, data, device, cuts=cuts, streams=streams, seed=budget.seed,
+                        whole_step=graph_error is None)
+    plans = rows.plans
     if only:
-        unknown = [n for n in only if n not in plans]
+        known = [*rows.plans, *rows.skipped]
+        unknown = [n for n in only if n not in known]
         if unknown:
-            raise EraseTuneError(f"bench: unknown variant {shown(unknown[0])} (variants: {', '.join(plans)})")
+            raise EraseTuneError(f"bench: unknown variant {shown(unknown[0])} (variants: {', '.join(known)})")
         plans = {n: p for n, p in plans.items() if n in only or n in (EAGER, GRAPH)}
-    if graph_error is not None:
-        plans = {n: p for n, p in plans.items() if p is None or not p.whole_step_graph}
     if len(plans) == 1:
         raise EraseTuneError(f"bench: --only must name a variant besides the {EAGER}, to compare with it")
-    for p in plans.values():
-        if p is not None:
-            p.check_model(init)
-    runners: dict[str, Any] = {}
-    overlap: dict[str, float] = {}
-    try:
-        for name, plan in plans.items():
-            runners[name] = (_PlainLoop(workload, init, data, device) if plan is None
-                             else Variant(plan=plan, engine=build_engine(workload, plan, init, data, device), data=data))
-        over = (EAGER, GRAPH) if GRAPH in runners else (EAGER,)
-        pairs = {name: tuple(o for o in over if o != name) for name in runners}
-        measured = measure_gains(runners, device=device, warmup_steps=budget.warmup_steps,
-                                 window_steps=budget.window_steps, rule=budget.stop_rule(),
-                                 pairs={name: refs for name, refs in pairs.items() if refs})
-        timings = measured.timings
-        host = {n: runners[n] for n in HOST_ROWS if n in runners}
-        cpu = host_cpu_interleaved(host, device=device, warmup_steps=1,
-                                   windows=max(budget.windows * budget.window_steps, HOST_STEPS), window_steps=1,
-                                   start_step=timings.next_step) if PLAIN in host and len(host) > 1 else None
-        if trace_dir is not None:
-            for name in TRACED:
-                if name in runners:
-                    path = Path(trace_dir) / f"{name.replace(' ', '_').replace('+', 'plus')}.json"
-                    report = profile_steps(runners[name], steps=5, start_step=timings.next_step, trace_path=path)
-                    overlap[name] = report.overlap_fraction
-    finally:
-        release(runners.values(), device)
-        runners.clear()
-
-    batch = workload.batch_size
-    rows = []
+    measured, cpu, overlap = _time_rows(workload, plans, init, data, device, budget, trace_dir)
+    timings = measured.timings
     plain = timings.variants.get(PLAIN)
+    out = []
     for name, t in timings.variants.items():
-        s = qps_summary(t.steps_s, batch)
+        s = qps_summary(t.steps_s, workload.batch_size)
         plan = plans[name]
-        rows.append(BenchRow(
+        out.append(BenchRow(
             name=name,
             plan=plan.describe() if plan is not None else "hand-written loop, no engine",
             p90_qps=s.p90, median_qps=s.median,
@@ -350,15 +343,113 @@ def run_bench(
         ))
     return BenchResult(
         workload=workload.name,
-        batch_size=batch,
-        rows=tuple(rows),
+        batch_size=workload.batch_size,
+        rows=tuple(out),
         samples={k: v.to_dict() for k, v in timings.variants.items()},
         provenance=provenance(device, workload=workload.name,
                               workload_args=jsonable_args(workload.args),
-                              budget=dataclasses.asdict(budget), cuts=chosen, streams=streams),
+                              budget=dataclasses.asdict(budget), cuts=rows.cuts, streams=streams),
         graph_error=graph_error,
         host_cpu=cpu.how if cpu is not None else None,
+        skipped=tuple(rows.skipped.items()),
+        left_out=tuple(rows.left_out.items()),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+    plans: dict[str, ErasePlan | None]
+    """The rows that can run, in order (None: the plain loop)."""
+    skipped: dict[str, str]
+    """Rows that cannot run on this model, and why (one line each)."""
+    cuts: list[str]
+    left_out: dict[str, str]
+    """Candidates left out of the ERASE rows' cuts, and why."""
+
+
+def _choose_rows(workload: Workload, init: torch.nn.Module, data: WorkloadData, device: torch.device, *,
+                 cuts: Sequence[str] | None, streams: int, seed: int, whole_step: bool) -> _Rows:
+    """The rows of :func:`bench_plans` this model can run: the cuts are the user's, else the
+    candidates that can be detached together (:func:`choose_cuts`); the host-cost rows place the
+    cheapest candidate that can be placed and cut the cheapest that can be cut alone; every row is
+    checked as a trial checks its plan (and, on CUDA, a row with graphs is captured once), and a
+    row that fails is skipped with its reason instead of refusing the whole bench. Without
+    ``whole_step`` (the step cannot be captured whole: said once, not per row) the whole-step
+    rows are left out."""
+    candidates = list(cuts) if cuts else list(workload.cut_candidates)
+    for c in candidates:  # a name that is no module of the model is the user's typo: refused
+        ErasePlan(cuts=(Cut(module=c),)).check_model(init)
+    found = _probe(candidates, copy.deepcopy(init).to(device), workload, data)
+    chosen, left_out = (list(cuts), {}) if cuts else choose_cuts(found, candidates)
+    placeable = [c for c in candidates
+                 if _passes(found.check_plan, ErasePlan(placements=(Placement(module=c, stream=1),), num_streams=1))]
+    alone = [c for c in candidates if _passes(found.check_plan, ErasePlan(cuts=(Cut(module=c),)))]
+    host = cheapest(placeable, init) if placeable else None
+    host_cut = cheapest(alone, init) if alone else None
+    plans = {n: p for n, p in bench_plans(chosen, streams, device, host=host, host_cut=host_cut).items()
+             if whole_step or p is None or not p.whole_step_graph}
+    skipped: dict[str, str] = {}
+    if not chosen:
+        skipped["ERASE rows"] = f"no candidate can be detached ({'; '.join(f'{c}: {r}' for c, r in left_out.items())})"
+    if host is None:
+        skipped[ONE_PLACEMENT] = f"no candidate can be placed ({', '.join(candidates) or 'none listed'})"
+    for name, plan in plans.items():
+        if plan is None:
+            continue
+        try:
+            plan.check_model(init)
+            found.check_plan(plan)
+        except EraseTuneError as e:
+            skipped[name] = one_line(str(e), 300)
+            continue
+        graphs = plan.whole_step_graph or plan.graphs or any(c.graph for c in plan.cuts)
+        if device.type == "cuda" and graphs and name != GRAPH:  # (the graph baseline was tried first)
+            error = capture_error(workload, plan, device, seed=seed, init=init, data=data)
+            if error is not None:
+                skipped[name] = error
+    return _Rows(plans={n: p for n, p in plans.items() if n not in skipped}, skipped=skipped, cuts=chosen,
+                 left_out=left_out)
+
+
+def _passes(check: Any, plan: ErasePlan) -> bool:
+    try:
+        check(plan)
+    except EraseTuneError:
+        return False
+    return True
+
+
+def _time_rows(workload: Workload, plans: Mapping[str, ErasePlan | None], init: torch.nn.Module,
+               data: WorkloadData, device: torch.device, budget: Budget,
+               trace_dir: Path | None) -> tuple[ProtocolResult, Any, dict[str, float]]:
+    """Every row timed by the sequential protocol, the host-cost rows' CPU time, and the traced
+    rows' overlap."""
+    runners: dict[str, Any] = {}
+    overlap: dict[str, float] = {}
+    try:
+        for name, plan in plans.items():
+            runners[name] = (_PlainLoop(workload, init, data, device) if plan is None
+                             else Variant(plan=plan, engine=build_engine(workload, plan, init, data, device), data=data))
+        over = (EAGER, GRAPH) if GRAPH in runners else (EAGER,)
+        pairs = {name: tuple(o for o in over if o != name) for name in runners}
+        measured = measure_gains(runners, device=device, warmup_steps=budget.warmup_steps,
+                                 window_steps=budget.window_steps, rule=budget.stop_rule(),
+                                 pairs={name: refs for name, refs in pairs.items() if refs})
+        host = {n: runners[n] for n in HOST_ROWS if n in runners}
+        cpu = host_cpu_interleaved(host, device=device, warmup_steps=1,
+                                   windows=max(budget.windows * budget.window_steps, HOST_STEPS), window_steps=1,
+                                   start_step=measured.timings.next_step) if PLAIN in host and len(host) > 1 else None
+        if trace_dir is not None:
+            for name in TRACED:
+                if name in runners:
+                    path = Path(trace_dir) / f"{name.replace(' ', '_').replace('+', 'plus')}.json"
+                    report = profile_steps(runners[name], steps=5, start_step=measured.timings.next_step,
+                                           trace_path=path)
+                    overlap[name] = report.overlap_fraction
+    finally:
+        release(runners.values(), device)
+        runners.clear()
+    return measured, cpu, overlap
 
 
 def _spread(measured: ProtocolResult, name: str, over: str) -> tuple[float, float, float]:

@@ -153,8 +153,12 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     prov = result.provenance
     print(f"workload {result.workload} (batch {result.batch_size}) on {prov['device_name']}, "
           f"torch {prov['torch']}, cuda {prov['cuda']}; cuts {', '.join(prov['cuts'])}; {prov['streams']} streams")
+    for candidate, why in result.left_out:
+        print(f"not cut: {candidate}: {why}")
     if result.graph_error is not None:
         print(f"graph rows left out: the whole step cannot be captured as one CUDA graph: {result.graph_error}")
+    for row, why in result.skipped:
+        print(f"skipped {row}: {why}")
     print(result.table())
     if result.host_table():
         print(f"\n{result.host_table()}")

@@ -59,7 +59,7 @@ from erase_tune.workloads import Workload, WorkloadData
 from erase_tune.workloads.limits import MAX_SEED
 
 __all__ = ["Budget", "VariantResult", "TrialResult", "TrialFailed", "run_trial", "build_engine", "Variant", "jsonable_args",
-           "release", "reference_capture_error", "UNKNOWN", "BASELINE"]
+           "release", "reference_capture_error", "capture_error", "UNKNOWN", "BASELINE"]
 __all__ += ["check_workload_loss", "MAX_REPEATS", "GAIN_OVER", "exact_by_construction", "gradient_difference",
             "agree_with_rank0", "EXACT_RTOL", "prepare"]
 
@@ -626,24 +626,33 @@ def reference_capture_error(workload: Workload, device: str | torch.device | Non
                             seed: int = 0) -> str | None:
     """Try the whole-step CUDA-graph reference once: None when it captures and replays, else why
     not (the :class:`~erase_tune.errors.CaptureError`'s line). None on the CPU (no graph there).
+    Run it before anything else in the process; see :func:`capture_error`."""
+    return capture_error(workload, ErasePlan(whole_step_graph=True), device, seed=seed)
 
-    A copy of the workload's model is trained under ``ErasePlan(whole_step_graph=True)`` for
-    the engine's warm-up, the capture and one replay, on the workload's own batches. Run it
-    before anything else in the process: a failed capture can leave the process's CUDA RNG in
-    capture state (see :class:`~erase_tune.errors.CaptureError`), so it is repaired here and
-    checked with one draw; if it cannot be, :class:`TrialFailed` says so (run the trial again
-    in a fresh process with the reference off). Other errors (the workload's own) propagate.
+
+def capture_error(workload: Workload, plan: ErasePlan, device: str | torch.device | None = None, *, seed: int = 0,
+                  init: torch.nn.Module | None = None, data: WorkloadData | None = None) -> str | None:
+    """Try ``plan``'s CUDA graphs once: None when they capture and replay, else why not (the
+    :class:`~erase_tune.errors.CaptureError`'s line). None on the CPU (no graph there).
+
+    A copy of the workload's model (``init``, else one built after ``torch.manual_seed(seed)``)
+    is trained under ``plan`` for the engine's warm-up, the capture and one replay, on the
+    workload's own batches (``data``, else made here). A failed capture can leave the process's
+    CUDA RNG in capture state (see :class:`~erase_tune.errors.CaptureError`), so it is repaired
+    here and checked with one draw; if it cannot be, :class:`TrialFailed` says so (run again in a
+    fresh process with the graph off). Other errors (the workload's own) propagate.
     """
     device = resolve_device(device)
     if device.type != "cuda":
         return None
-    torch.manual_seed(seed)
-    data = workload.make_data(device)
-    init = workload.build_model()
+    if init is None or data is None:
+        torch.manual_seed(seed)
+        data = workload.make_data(device)
+        init = workload.build_model()
     engine: EraseEngine | None = None
     error: str | None = None
     try:
-        engine = build_engine(workload, ErasePlan(whole_step_graph=True), init, data, device)
+        engine = build_engine(workload, plan, init, data, device)
         for step in range(GRAPH_WARMUP + 2):  # eager warm-up, capture, one replay
             inputs, target = data.batch(step)
             loss = engine.step(inputs, target)
