@@ -167,7 +167,7 @@ def bounds(pytestconfig: pytest.Config) -> Iterator[Bounds]:
     # Everything the cases import is imported first, so the RSS baseline is not the imports.
     import ray  # noqa: F401
 
-    import erase_tune.bench
+    import erase_tune.measure.bench
     import erase_tune.tune.views.figures
     import erase_tune.tune.views.html_report
     import erase_tune.tune.run.job

@@ -10,7 +10,7 @@ import optuna
 import pytest
 
 from erase_tune.runtime import ErasePlan
-from erase_tune.trial import Budget
+from erase_tune.measure.trial import Budget
 from erase_tune.tune.search import space_file
 from erase_tune.tune.search.checks import check_space
 from erase_tune.tune.search.codec import BoundSpace

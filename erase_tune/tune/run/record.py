@@ -28,8 +28,8 @@ from erase_tune.store import Job, baseline_key
 from erase_tune.store.storage import Storage
 from erase_tune.tune.execute.outcome import Failure, TrialOutcome
 from erase_tune.tune.search.space import SearchSpace
-from erase_tune.confirm import baseline_plan
-from erase_tune.noise import feasible
+from erase_tune.measure.confirm import baseline_plan
+from erase_tune.measure.noise import feasible
 from erase_tune.tune.search.study import CONSTRAINTS, Attr, constraint, metric_attrs, objective_values
 
 __all__ = ["Recorder"]

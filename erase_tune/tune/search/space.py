@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from erase_tune.runtime import ErasePlan
-from erase_tune.trial import Budget
+from erase_tune.measure.trial import Budget
 from erase_tune.tune.search import space_file
 from erase_tune.tune.search.space_file import MODES, SpaceError, SpaceFile
 
