@@ -1,6 +1,6 @@
 """erase-tune: find where ERASE should cut a model, and run the plan in production training.
 
-The library (``runtime``, ``workloads``, ``measure``, ``trial``) knows nothing of Optuna, Ray
+The library (``runtime``, ``workloads``, ``measure``) knows nothing of Optuna, Ray
 or SQL; the service (``tune``, ``store``, ``cli``) is a thin layer over it.
 """
 

@@ -51,7 +51,7 @@ log = logging.getLogger("erase_tune")
 
 
 def _budget(ns: argparse.Namespace) -> Any:
-    from erase_tune.trial import Budget
+    from erase_tune.measure.trial import Budget
 
     return Budget(warmup_steps=ns.warmup, windows=ns.windows, window_steps=ns.window_steps,
                   quality_steps=getattr(ns, "quality_steps", 0), seed=ns.seed)
@@ -82,7 +82,7 @@ def _check_output_dir(path: str, storage: str | None, *, names: Any) -> None:
 def cmd_trial(ns: argparse.Namespace) -> int:
     from erase_tune.errors import PlanError
     from erase_tune.runtime import ErasePlan
-    from erase_tune.trial import run_trial
+    from erase_tune.measure.trial import run_trial
     from erase_tune.tune.views.tables import trial_table
     from erase_tune.workloads import get_workload, workload_args
 
@@ -105,23 +105,23 @@ def cmd_trial(ns: argparse.Namespace) -> int:
 
 def _check_noise_flag(ns: argparse.Namespace) -> None:
     """``--noise-floor`` is refused before anything is trained, not after the trial."""
-    from erase_tune.trial import MAX_REPEATS
+    from erase_tune.measure.trial import MAX_REPEATS
 
     if not 0 <= ns.noise_floor <= MAX_REPEATS:
         raise EraseTuneError(f"--noise-floor: {ns.noise_floor} must be in 0..{MAX_REPEATS} (0: not measured)")
 
 
 def _noise_floor(ns: argparse.Namespace, workload: Any) -> Any:
-    """``--noise-floor N``: the NE gap's noise floor at this budget (erase_tune.noise), or None."""
+    """``--noise-floor N``: the NE gap's noise floor at this budget (erase_tune.measure.noise), or None."""
     if not ns.noise_floor:
         return None
-    from erase_tune.noise import measure_noise_floor
+    from erase_tune.measure.noise import measure_noise_floor
 
     return measure_noise_floor(workload, _budget(ns), repeats=ns.noise_floor, device=ns.device)
 
 
 def _noise_line(floor: Any, ne_gap: float | None, plan: Any = None) -> str:
-    from erase_tune.noise import exact_by_construction
+    from erase_tune.measure.noise import exact_by_construction
 
     line = f"noise floor of the NE gap: {floor.describe()}"
     if plan is not None and exact_by_construction(plan):
@@ -133,7 +133,7 @@ def _noise_line(floor: Any, ne_gap: float | None, plan: Any = None) -> str:
 
 
 def cmd_bench(ns: argparse.Namespace) -> int:
-    from erase_tune.bench import run_bench
+    from erase_tune.measure.bench import run_bench
     from erase_tune.workloads import get_workload, workload_args
 
     if ns.trace is not None:

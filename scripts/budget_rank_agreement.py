@@ -25,7 +25,7 @@ import optuna
 import yaml
 
 from erase_tune.runtime import ErasePlan
-from erase_tune.trial import Budget, run_trial
+from erase_tune.measure.trial import Budget, run_trial
 from erase_tune.tune.search.checks import check_space
 from erase_tune.tune.search.space import SearchSpace
 from erase_tune.workloads import get_workload

@@ -7,7 +7,7 @@
 Spawns K ranks (torch.multiprocessing, default: every visible GPU, one per rank; rendezvous at
 127.0.0.1 on a free port; nccl on CUDA with NCCL_NVLS_ENABLE=0, gloo with ``--device cpu``).
 In that one process group, on the same workload, every variant is one data-parallel
-:func:`~erase_tune.trial.run_trial` (docs/design.md, "Data parallel"): its own baseline (DDP
+:func:`~erase_tune.measure.trial.run_trial` (docs/design.md, "Data parallel"): its own baseline (DDP
 eager, no cuts), the candidate, its detach-only twin and, on CUDA, the whole-step-graph
 baseline, all data parallel and timed in alternating windows in the same processes. QPS counts
 all ranks' examples (each rank trains a full ``batch`` per step).
@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 from erase_tune.runtime import Cut, ErasePlan, Placement
-from erase_tune.trial import Budget, TrialFailed
+from erase_tune.measure.trial import Budget, TrialFailed
 
 SUBARCHS = tuple(f"subarchs.{i}" for i in range(6))
 STREAMS = 4
@@ -152,7 +152,7 @@ def rank_main(rank: int, ns: argparse.Namespace, world: int, args: dict[str, Any
     import torch.distributed as dist
 
     from erase_tune.measure import provenance
-    from erase_tune.trial import run_trial
+    from erase_tune.measure.trial import run_trial
     from erase_tune.workloads import get_workload
 
     cuda = ns.device == "cuda"

@@ -33,7 +33,7 @@ from erase_tune.measure.hostcpu import blocking_sync, host_cpu_interleaved, host
 from erase_tune.measure.timing import ORDERS  # noqa: E402
 from erase_tune.runtime import Cut, ErasePlan, Placement  # noqa: E402
 from erase_tune.runtime.device import resolve_device  # noqa: E402
-from erase_tune.trial import GRAPH_WARMUP, Variant, build_engine  # noqa: E402
+from erase_tune.measure.trial import GRAPH_WARMUP, Variant, build_engine  # noqa: E402
 from erase_tune.workloads import get_workload, workload_args  # noqa: E402
 from host_table import _Plain  # noqa: E402  (this folder: the plain loop, with a cut's work by hand)
 

@@ -35,7 +35,7 @@ from erase_tune.measure.hostcpu import host_cpu_interleaved, host_tax  # noqa: E
 from erase_tune.measure.timing import ORDERS  # noqa: E402
 from erase_tune.runtime import Cut, ErasePlan, Graphed, Placement  # noqa: E402
 from erase_tune.runtime.device import resolve_device  # noqa: E402
-from erase_tune.trial import GRAPH_WARMUP, Variant, build_engine, jsonable_args  # noqa: E402
+from erase_tune.measure.trial import GRAPH_WARMUP, Variant, build_engine, jsonable_args  # noqa: E402
 from erase_tune.workloads import get_workload, workload_args  # noqa: E402
 
 

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from erase_tune.runtime import Cut, ErasePlan, Graphed, Placement  # noqa: E402
 from erase_tune.runtime.device import resolve_device, synchronize  # noqa: E402
-from erase_tune.trial import Variant, build_engine  # noqa: E402
+from erase_tune.measure.trial import Variant, build_engine  # noqa: E402
 from erase_tune.workloads import get_workload, workload_args  # noqa: E402
 
 BLOCKING = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")

@@ -25,11 +25,11 @@ from pathlib import Path
 
 import torch
 
-from erase_tune.confirm import baseline_plan
+from erase_tune.measure.confirm import baseline_plan
 from erase_tune.measure import provenance, ratio_spread, time_interleaved
 from erase_tune.runtime import ErasePlan
 from erase_tune.runtime.device import resolve_device
-from erase_tune.trial import Budget, Variant, build_engine, jsonable_args, release
+from erase_tune.measure.trial import Budget, Variant, build_engine, jsonable_args, release
 from erase_tune.tune.search.checks import check_space
 from erase_tune.tune.search.replay import space_plans
 from erase_tune.tune.search.space import SearchSpace

@@ -6,7 +6,7 @@ search's short NE gap ranks plans as the confirmed (longer, several seeds) one d
         [--time-limit 300] [--overrun 150] [--rank-arg train_batches=1700] [--smoke]
     (or: OUT=out bash scripts/gpu_campaign.sh n)
 
-Part 1, the noise floor (erase_tune.noise.measure_noise_floor): for each shipped space, the
+Part 1, the noise floor (erase_tune.measure.noise.measure_noise_floor): for each shipped space, the
 baseline trained against itself for the space's trial training steps under perturbations that
 cannot matter (``--repeats`` other data orders, and the whole-step CUDA graph), at the space's
 workload arguments; gpt twice, with bf16 and with float32 compute; dlrm when the workload
@@ -44,8 +44,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import optuna  # noqa: E402
 import yaml  # noqa: E402
 
-from erase_tune.noise import confirm_quality, exact_by_construction, feasible, measure_noise_floor  # noqa: E402
-from erase_tune.trial import Budget  # noqa: E402
+from erase_tune.measure.noise import confirm_quality, exact_by_construction, feasible, measure_noise_floor  # noqa: E402
+from erase_tune.measure.trial import Budget  # noqa: E402
 from erase_tune.tune.search.space import SearchSpace  # noqa: E402
 from erase_tune.workloads import BUILTINS, get_workload  # noqa: E402
 

@@ -9,9 +9,9 @@ import dataclasses
 
 import pytest
 
-from erase_tune.bench import ONE_CUT, ONE_PLACEMENT, run_bench
+from erase_tune.measure.bench import ONE_CUT, ONE_PLACEMENT, run_bench
 from erase_tune.cli import main
-from erase_tune.trial import Budget
+from erase_tune.measure.trial import Budget
 from tests.gated import workload as gated
 
 QUICK = ["--warmup", "5", "--windows", "2", "--window-steps", "2", "--streams", "2"]

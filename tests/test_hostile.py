@@ -167,7 +167,7 @@ def bounds(pytestconfig: pytest.Config) -> Iterator[Bounds]:
     # Everything the cases import is imported first, so the RSS baseline is not the imports.
     import ray  # noqa: F401
 
-    import erase_tune.bench
+    import erase_tune.measure.bench
     import erase_tune.tune.views.figures
     import erase_tune.tune.views.html_report
     import erase_tune.tune.run.job
@@ -315,7 +315,7 @@ def run_space(text: str) -> str:
         study.enqueue_trial(params)
     for i in range(len(checked.seeds) + 3):
         trial = study.ask()
-        plan = space.plan_from_trial(trial, checked.candidates, checked.can_detach)
+        plan = checked.plan(trial)
         assert plan == plan.canonical()
         assert {t.module for t in (*plan.cuts, *plan.placements)} <= set(checked.candidates)
         plan.check_model(model)

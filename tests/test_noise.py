@@ -1,4 +1,4 @@
-"""The noise floor of the NE gap and the quality confirmation (erase_tune.noise), on the CPU, on a
+"""The noise floor of the NE gap and the quality confirmation (erase_tune.measure.noise), on the CPU, on a
 bf16 transformer with rotary attention and value embeddings."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from erase_tune import Cut, ErasePlan
 from erase_tune.errors import EraseTuneError
-from erase_tune.noise import (
+from erase_tune.measure.noise import (
     NoiseFloor,
     confirm_quality,
     exact_by_construction,
@@ -19,7 +19,7 @@ from erase_tune.noise import (
     train_ne,
 )
 from erase_tune.runtime import Graphed, Placement
-from erase_tune.trial import Budget, run_trial
+from erase_tune.measure.trial import Budget, run_trial
 from tests.runtime.transformer import transformer_workload
 
 BUDGET = Budget(warmup_steps=5, windows=1, max_windows=1, window_steps=2, quality_steps=8)  # 15 training steps
@@ -50,7 +50,7 @@ def test_the_noise_floor_is_measured_finite_and_from_real_perturbations(workload
 
 def test_a_permuted_order_uses_the_same_batches(workload):
     """The perturbation cannot matter: the same multiset of batches, the same number of steps."""
-    from erase_tune.noise import _order
+    from erase_tune.measure.noise import _order
 
     plain, permuted = _order(40, 6, None), _order(40, 6, 7)
     assert plain == [s % 6 for s in range(40)] and sorted(plain) == sorted(permuted) and plain != permuted

@@ -74,8 +74,9 @@ def test_service_commands_say_what_to_install_when_it_is_missing():
 def test_library_does_not_import_the_service_stack():
     code = (
         "import sys\n"
-        "import erase_tune, erase_tune.runtime, erase_tune.workloads, erase_tune.measure, erase_tune.trial, erase_tune.bench\n"
-        "import erase_tune.confirm, erase_tune.noise, erase_tune.runtime.losscheck\n"
+        "import erase_tune, erase_tune.runtime, erase_tune.workloads, erase_tune.measure, erase_tune.runtime.losscheck\n"
+        "import erase_tune.measure.trial, erase_tune.measure.bench, erase_tune.measure.confirm\n"
+        "import erase_tune.measure.noise, erase_tune.measure.estimate\n"
         "bad = sorted(m for m in ('optuna', 'ray', 'sqlalchemy', 'alembic') if m in sys.modules)\n"
         "print(','.join(bad))\n"
     )

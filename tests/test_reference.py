@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import math
 
-from erase_tune.bench import HOST_ROWS, PLAIN, cheapest, run_bench
+from erase_tune.measure.bench import HOST_ROWS, PLAIN, cheapest, run_bench
 from erase_tune.cli import main
 from erase_tune.runtime import Cut, ErasePlan
-from erase_tune.trial import Budget, reference_capture_error, run_trial
+from erase_tune.measure.trial import Budget, reference_capture_error, run_trial
 from erase_tune.tune.views.tables import trial_table
 from tests.host_index import HostIndexNet, workload
 

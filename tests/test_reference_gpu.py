@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from erase_tune.bench import GRAPH, HOST_ROWS, run_bench
+from erase_tune.measure.bench import GRAPH, HOST_ROWS, run_bench
 from erase_tune.cli import main
 from erase_tune.runtime import Cut, ErasePlan
-from erase_tune.trial import Budget, reference_capture_error, run_trial
+from erase_tune.measure.trial import Budget, reference_capture_error, run_trial
 from erase_tune.tune.views.tables import trial_table
 from erase_tune.workloads import get_workload
 from tests.host_index import workload
@@ -63,7 +63,7 @@ def test_bench_drops_its_graph_rows_with_one_line(capsys):
 
 def test_the_noise_floor_of_a_step_that_cannot_be_captured_whole_leaves_the_graph_out():
     """Seen on an H200 with the dlrm workload: the noise floor used to fail outright there."""
-    from erase_tune.noise import measure_noise_floor
+    from erase_tune.measure.noise import measure_noise_floor
 
     floor = measure_noise_floor(workload(), BUDGET, repeats=2, device="cuda")
     assert floor.kinds == ("order", "order") and len(floor.gaps) == 2

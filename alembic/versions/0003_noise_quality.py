@@ -4,7 +4,7 @@ Revision ID: 0003
 Revises: 0002
 Create Date: 2026-12-03
 
-``et_noise_floors``: the band within which a job's NE gaps are noise (erase_tune.noise),
+``et_noise_floors``: the band within which a job's NE gaps are noise (erase_tune.measure.noise),
 measured once before its trials and reused on resume. ``et_quality_confirmations``: a front
 plan trained longer over several seeds before export, its NE gap with a 95% interval. Both
 are new tables: nothing already stored changes, and the downgrade drops only them.

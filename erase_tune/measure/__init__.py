@@ -5,6 +5,13 @@ timed in the same process, alternating in windows; throughput is reported as p90
 per-step QPS with its spread over windows; every figure carries its provenance. Every gain
 comes from one sequential protocol (:func:`measure_gains`): windows until the gain's 95%
 interval is narrow enough, the plan is behind the bound it races against, or a cap.
+
+What uses the protocol lives here too, imported by module name (they load the runtime and workloads):
+:mod:`~erase_tune.measure.trial` (one trial: baseline vs candidate in one process),
+:mod:`~erase_tune.measure.confirm` (the second look at a front's speed),
+:mod:`~erase_tune.measure.noise` (the NE gap's noise floor, quality over seeds),
+:mod:`~erase_tune.measure.estimate` (a job's phases from a measured step) and
+:mod:`~erase_tune.measure.bench` (``erase-tune bench``).
 """
 
 from erase_tune.measure.overlap import (

@@ -12,23 +12,42 @@ replay, so no collective is ever captured.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from typing import Any, Protocol
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
 from erase_tune.errors import CaptureError, one_line
 from erase_tune.runtime import device as dev
 from erase_tune.runtime.pieces import tensors_in
+from erase_tune.runtime.plan import ErasePlan
 
-if TYPE_CHECKING:
-    from erase_tune.runtime.engine import EraseEngine
-
-__all__ = ["StepGraph", "step_graph", "capture_dispatch"]
+__all__ = ["GraphHost", "StepGraph", "step_graph", "capture_dispatch"]
 
 
-def step_graph(engine: EraseEngine) -> StepGraph | None:
+class GraphHost(Protocol):
+    """What a whole-step graph uses of its engine (:class:`~erase_tune.runtime.engine.EraseEngine`)."""
+
+    plan: ErasePlan
+    device: torch.device
+    cuda: bool
+    process_group: Any
+    optimizer: torch.optim.Optimizer
+    graph_warmup: int
+    capture_stream: Any
+    graph_owned: set[int]
+    capture_retries: int
+
+    def parameters(self) -> Iterator[nn.Parameter]: ...
+    def eager_step(self, inputs: tuple, target: Tensor, dispatch: str | None = None) -> Tensor: ...
+    def captured_step(self, inputs: tuple, target: Tensor) -> Tensor: ...
+    def reduce_after_replay(self) -> None: ...
+    def abandon_step(self) -> None: ...
+
+
+def step_graph(engine: GraphHost) -> StepGraph | None:
     """The engine's whole-step graph when its plan asks for one on CUDA, else None. The
     optimizer is made ``capturable`` so that its step is captured too, unless a process group
     averages the gradients first: then the optimizer runs eagerly after each replay."""
@@ -50,7 +69,7 @@ def capture_dispatch(dispatch: str) -> str:
 class StepGraph:
     """One engine's whole-step CUDA graph (CUDA only)."""
 
-    def __init__(self, engine: EraseEngine) -> None:
+    def __init__(self, engine: GraphHost) -> None:
         self.engine = engine
         self.graph: torch.cuda.CUDAGraph | None = None
         self.static: tuple[list[Tensor], Tensor, Tensor] | None = None

@@ -69,7 +69,7 @@ from erase_tune.runtime.losscheck import check_main_loss, main_loss
 from erase_tune.runtime.pieces import CutRunner, Launcher, StepState
 from erase_tune.runtime.plan import ErasePlan
 from erase_tune.runtime.probe import FirstStepCheck
-from erase_tune.runtime.reduce import GradReducer, broadcast_from_rank0, plan_reducer, refuse_sparse
+from erase_tune.runtime.reduce import GradReducer, broadcast_from_rank0, early_reducer, plan_reducer, refuse_sparse
 
 _NOTHING = contextlib.nullcontext()  # (reusable: no context to enter without a join)
 
@@ -294,7 +294,7 @@ class EraseEngine:
         if self.state is not None and self.state.reducer is not None:
             self.state.reducer.launched(index, stream, future)
 
-    # -- what the step graph uses (capture.StepGraph) ----------------------------------------------
+    # -- what the step graph uses (capture.GraphHost) ----------------------------------------------
 
     def zero_grad(self) -> None:
         owned = self.graph_owned
@@ -341,7 +341,7 @@ class EraseEngine:
             reducer.begin()
         join = self._join
         state = StepState(target=target, join=join, dispatch=dispatch,
-                          reducer=self._early_reducer(reducer) if reducer is not None else None)
+                          reducer=early_reducer(reducer, self.plan, self._cut_runners, self.graph_warmup))
         self.state = state
         joined = False
         try:
@@ -375,16 +375,6 @@ class EraseEngine:
         for aux in state.aux_values:
             loss = loss + aux
         return loss
-
-    def _early_reducer(self, reducer: GradReducer | None) -> GradReducer | None:
-        """The reducer that averages each cut's gradients right after its backward in this step:
-        none with ``find_unused_parameters`` (all at the end), and none in a step that captures a
-        per-cut graph, which must not run beside collectives in flight (every rank captures at
-        the same step)."""
-        if reducer is None or self.plan.find_unused_parameters:
-            return None
-        capture_now = any(r.graphed and r.graph is None and r.calls >= self.graph_warmup for r in self._cut_runners)
-        return None if capture_now else reducer
 
     def _join_streams(self) -> None:
         # Kernels must be queued before wait_stream records its event: drain the workers first.

@@ -34,7 +34,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from erase_tune.errors import EraseTuneError, PlanError, shown
 from erase_tune.runtime import device as dev
 
-__all__ = ["GradReducer", "broadcast_from_rank0", "refuse_sparse", "plan_reducer", "refuse_nested_ddp", "refuse_sharded"]
+__all__ = ["GradReducer", "broadcast_from_rank0", "refuse_sparse", "plan_reducer", "early_reducer", "refuse_nested_ddp",
+           "refuse_sharded"]
 
 
 def _buckets(tensors: Sequence[Tensor]) -> list[list[int]]:
@@ -214,6 +215,18 @@ def plan_reducer(group: Any, plan: Any, cut_runners: Sequence[Any], model: nn.Mo
     early = {id(p) for ps in cut_params for p in ps}
     rest = [p for p in trainable if id(p) not in early]
     return GradReducer(group, [c.name for c in plan.cuts] if cut_params else [], cut_params, rest, names, device)
+
+
+def early_reducer(reducer: GradReducer | None, plan: Any, cut_runners: Sequence[Any],
+                  graph_warmup: int) -> GradReducer | None:
+    """The reducer that averages each cut's gradients right after its backward in this step:
+    none with ``find_unused_parameters`` (all at the end), and none in a step that captures a
+    per-cut graph, which must not run beside collectives in flight (every rank captures at
+    the same step)."""
+    if reducer is None or plan.find_unused_parameters:
+        return None
+    capture_now = any(r.graphed and r.graph is None and r.calls >= graph_warmup for r in cut_runners)
+    return None if capture_now else reducer
 
 
 def refuse_nested_ddp(model: nn.Module) -> None:

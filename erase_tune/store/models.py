@@ -180,7 +180,7 @@ class ConfirmationRow(Base):
 
 
 class NoiseFloorRow(Base):
-    """The noise floor of a job's NE gap (erase_tune.noise), measured once before its trials."""
+    """The noise floor of a job's NE gap (erase_tune.measure.noise), measured once before its trials."""
 
     __tablename__ = "et_noise_floors"
 

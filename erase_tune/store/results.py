@@ -145,7 +145,7 @@ class Results:
 
     @retried("recording the noise floor", idempotent=False)
     def record_noise_floor(self, job: Job, floor: Mapping[str, Any]) -> StoredNoiseFloor:
-        """Keep a job's noise floor (``erase_tune.noise.NoiseFloor.to_dict()``)."""
+        """Keep a job's noise floor (``erase_tune.measure.noise.NoiseFloor.to_dict()``)."""
         row = NoiseFloorRow(job_id=job.id, band=float(floor["band"]), ne_reference=float(floor["ne_reference"]),
                             training_steps=int(floor["training_steps"]), repeats=int(floor["repeats"]),
                             gaps=json_safe({"gaps": list(floor["gaps"]), "kinds": list(floor["kinds"])}, where="gaps"),

@@ -98,7 +98,7 @@ class Confirmation:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StoredNoiseFloor:
-    """The noise floor of a job's NE gap (see :mod:`erase_tune.noise`)."""
+    """The noise floor of a job's NE gap (see :mod:`erase_tune.measure.noise`)."""
 
     job_id: int
     band: float
@@ -112,7 +112,7 @@ class StoredNoiseFloor:
     created_at: dt.datetime
 
     def to_dict(self) -> dict[str, Any]:
-        """The form :meth:`erase_tune.noise.NoiseFloor.from_dict` reads."""
+        """The form :meth:`erase_tune.measure.noise.NoiseFloor.from_dict` reads."""
         return {"band": self.band, "gaps": list(self.gaps), "kinds": list(self.kinds),
                 "ne_reference": self.ne_reference, "training_steps": self.training_steps, "repeats": self.repeats,
                 "provenance": dict(self.provenance)}

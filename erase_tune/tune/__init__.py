@@ -1,5 +1,5 @@
-"""The tuning service: a thin layer over the library (``runtime``, ``workloads``, ``measure``,
-``trial``, ``confirm``, ``noise``), in four rooms, read in this order:
+"""The tuning service: a thin layer over the library (``runtime``, ``workloads``, ``measure``:
+its trial, confirm and noise), in four rooms, read in this order:
 
 - :mod:`~erase_tune.tune.search`: which plans a study may propose (the space file, the space and
   its codec to and from Optuna parameters, its checks against the model), the samplers, and

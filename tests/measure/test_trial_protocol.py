@@ -12,11 +12,11 @@ import pytest
 import torch
 from torch import nn
 
-from erase_tune.confirm import confirm_plans
+from erase_tune.measure.confirm import confirm_plans
 from erase_tune.errors import EraseTuneError
 from erase_tune.measure.protocol import STOPS
 from erase_tune.runtime import Cut, ErasePlan, Graphed, Placement
-from erase_tune.trial import EXACT_RTOL, Budget, Variant, gradient_difference, run_trial
+from erase_tune.measure.trial import EXACT_RTOL, Budget, Variant, gradient_difference, run_trial
 from erase_tune.workloads import Workload
 from tests.host_index import workload
 

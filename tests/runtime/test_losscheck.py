@@ -10,7 +10,7 @@ import torch
 from erase_tune import Cut, ErasePlan, PlanError
 from erase_tune.errors import EraseTuneError
 from erase_tune.runtime.losscheck import check_loss
-from erase_tune.trial import Budget, run_trial
+from erase_tune.measure.trial import Budget, run_trial
 from tests.runtime.badloss import MISTAKES, workload
 from tests.runtime.transformer import TinyGPT, gpt_batch
 

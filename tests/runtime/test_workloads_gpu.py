@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 
-from erase_tune.bench import disjoint_cuts
+from erase_tune.measure.bench import disjoint_cuts
 from erase_tune.errors import PlanError
 from erase_tune.runtime import Cut, EraseEngine, ErasePlan, Placement, probe
 from erase_tune.workloads import get_workload

@@ -10,11 +10,11 @@ import optuna
 import pytest
 
 from erase_tune.runtime import ErasePlan
-from erase_tune.trial import Budget
+from erase_tune.measure.trial import Budget
 from erase_tune.tune.search import space_file
 from erase_tune.tune.search.checks import check_space
 from erase_tune.tune.search.codec import BoundSpace
-from erase_tune.tune.search.space import SearchSpace, SpaceError, plan_key, plan_params
+from erase_tune.tune.search.space import SearchSpace, SpaceError
 from tests.tune.test_space import CANDIDATES, SPACE
 
 
@@ -53,9 +53,6 @@ def test_check_space_binds_the_space_once_and_its_codec_inverts_itself():
         assert bound.plan(optuna.trial.FixedTrial(params)) == plan
         key, completed = bound.key(trial.params, rng)
         assert key == plan.dumps() and bound.plan(optuna.trial.FixedTrial(completed)) == plan
-        # the thin wrappers agree with the bound space
-        assert plan_params(s, plan, bound.candidates, bound.can_detach) == params
-        assert plan_key(s, bound.candidates, bound.can_detach)(trial.params, np.random.RandomState(0))[0] == key
         study.tell(trial, [0.0, 0.0])
     for (name, params), (seed_name, plan) in zip(bound.seeds, s.seeds):
         assert name == seed_name and bound.plan(optuna.trial.FixedTrial(params)) == plan

@@ -6,7 +6,8 @@ import pytest
 from optuna.trial import TrialState
 
 from erase_tune.store.storage import open_storage
-from erase_tune.tune.search.space import SearchSpace, plan_key
+from erase_tune.tune.search.codec import BoundSpace
+from erase_tune.tune.search.space import SearchSpace
 from erase_tune.tune.search.study import CONSTRAINTS, SAMPLERS, Attr, make_sampler, open_study, pareto_front
 from tests.tune.test_space import CANDIDATES, SPACE
 
@@ -14,13 +15,14 @@ from tests.tune.test_space import CANDIDATES, SPACE
 @pytest.mark.parametrize("name", SAMPLERS)
 def test_sampler_proposes_valid_plans_and_respects_the_ne_budget(name, tmp_path):
     space = SearchSpace.loads(SPACE, source="test.yaml")
+    bound = BoundSpace.unchecked(space, CANDIDATES)
     db = open_storage(f"sqlite:///{tmp_path / 's.db'}")
     study = open_study(db.optuna, f"s-{name}", sampler=make_sampler(name, seed=0))
     assert study.metric_names == ["qps_gain", "ne_gap"]
     study_id = db.optuna.get_study_id_from_name(f"s-{name}")
     for i in range(12):
         trial = study.ask()
-        plan = space.plan_from_trial(trial, CANDIDATES)
+        plan = bound.plan(trial)
         gain, gap = 0.01 * len(plan.cuts), 0.02 * len(plan.cuts)  # more cuts: faster but worse NE
         trial.set_user_attr(Attr.PLAN, plan.to_dict())
         trial.set_user_attr("gain_vs_eager", gain)
@@ -143,9 +145,9 @@ def test_the_front_sampler_tells_plans_apart_by_the_space_not_by_parameters():
     form): given the space's ``plan_key``, the front sampler proposes a new plan every time
     (on the GPU, without it, 20 measured trials of the CTR space took 71 proposals)."""
     from erase_tune.tune.search.samplers import FrontSampler
-    from erase_tune.tune.search.space import plan_key
 
     space = SearchSpace.loads(SPACE, source="test.yaml")
+    bound = BoundSpace.unchecked(space, CANDIDATES)
 
     def proposals(sampler: FrontSampler) -> list[str]:
         import optuna
@@ -154,7 +156,7 @@ def test_the_front_sampler_tells_plans_apart_by_the_space_not_by_parameters():
         plans = []
         for _ in range(25):
             trial = study.ask()
-            plan = space.plan_from_trial(trial, CANDIDATES)
+            plan = bound.plan(trial)
             plans.append(plan.canonical().dumps())
             placed = {p.module for p in plan.placements}
             gain = 0.01 * len(plan.cuts) + 0.005 * len(placed) - 0.002 * plan.num_streams
@@ -163,7 +165,7 @@ def test_the_front_sampler_tells_plans_apart_by_the_space_not_by_parameters():
             study.tell(trial, [gain, gap])
         return plans
 
-    keyed = proposals(FrontSampler(seed=0, plan_key=plan_key(space, CANDIDATES), max_ne_gap=space.max_ne_gap))
+    keyed = proposals(FrontSampler(seed=0, plan_key=bound.key, max_ne_gap=space.max_ne_gap))
     assert len(set(keyed)) == len(keyed), "a plan was proposed twice"
     unkeyed = proposals(FrontSampler(seed=0, max_ne_gap=space.max_ne_gap))
     assert len(set(unkeyed)) < len(unkeyed)  # the failure the key prevents
@@ -176,9 +178,10 @@ def test_plan_key_completes_the_parameters_a_plan_needs():
     import optuna
 
     space = SearchSpace.loads(SPACE, source="test.yaml")
-    key = plan_key(space, CANDIDATES)
+    bound = BoundSpace.unchecked(space, CANDIDATES)
+    key = bound.key
     rng = np.random.RandomState(0)
     k, full = key({f"{CANDIDATES[0]}.mode": "detach"}, rng)
     assert full[f"{CANDIDATES[0]}.mode"] == "detach" and set(full) > {f"{CANDIDATES[0]}.mode"}
-    plan = space.plan_from_trial(optuna.trial.FixedTrial(full), CANDIDATES)
+    plan = bound.plan(optuna.trial.FixedTrial(full))
     assert plan.canonical().dumps() == k and plan.cuts[0].module == CANDIDATES[0]

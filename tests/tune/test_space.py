@@ -6,7 +6,8 @@ import optuna
 import pytest
 
 from erase_tune.runtime import Cut, ErasePlan, Placement
-from erase_tune.tune.search.space import SearchSpace, SpaceError, plan_params
+from erase_tune.tune.search.codec import BoundSpace
+from erase_tune.tune.search.space import SearchSpace, SpaceError
 
 CANDIDATES = ["subarchs.0", "subarchs.1", "subarchs.2", "subarchs.3"]
 
@@ -119,12 +120,12 @@ def test_missing_and_malformed_files(tmp_path):
 
 
 def test_sampled_plans_are_valid_canonical_and_conditional():
-    s = space()
+    bound = BoundSpace.unchecked(space(), CANDIDATES)
     study = optuna.create_study(directions=["maximize", "minimize"], sampler=optuna.samplers.RandomSampler(seed=0))
     seen_whole = seen_eager = seen_placed = False
     for _ in range(60):
         trial = study.ask()
-        plan = s.plan_from_trial(trial, CANDIDATES)
+        plan = bound.plan(trial)
         assert plan == plan.canonical()
         assert {c.module for c in plan.cuts} <= set(CANDIDATES)
         names = set(trial.params)
@@ -149,10 +150,11 @@ def test_sampled_plans_are_valid_canonical_and_conditional():
 def test_overlapping_candidates_are_never_both_detached():
     s = space(SPACE.replace("candidates: [subarchs.0, subarchs.1, subarchs.2, subarchs.3]",
                             "candidates: [blocks.0, blocks.0:2, blocks.1]"))
+    bound = BoundSpace.unchecked(s, ["blocks.0", "blocks.0:2", "blocks.1"])
     study = optuna.create_study(directions=["maximize", "minimize"], sampler=optuna.samplers.RandomSampler(seed=1))
     for _ in range(40):
         trial = study.ask()
-        plan = s.plan_from_trial(trial, ["blocks.0", "blocks.0:2", "blocks.1"])  # would raise on overlap
+        plan = bound.plan(trial)  # would raise on overlap
         assert len(plan.cuts) + len(plan.placements) <= 2
         study.tell(trial, [0.0, 0.0])
 
@@ -160,23 +162,24 @@ def test_overlapping_candidates_are_never_both_detached():
 @pytest.mark.parametrize("seed_index", [0, 1, 2])
 def test_enqueued_seed_params_reproduce_the_seed_plan(seed_index):
     s = space()
+    bound = BoundSpace.unchecked(s, CANDIDATES)
     name, plan = s.seeds[seed_index]
     study = optuna.create_study(directions=["maximize", "minimize"])
-    study.enqueue_trial(plan_params(s, plan, CANDIDATES))
+    study.enqueue_trial(bound.params(plan))
     trial = study.ask()
-    assert s.plan_from_trial(trial, CANDIDATES) == plan
+    assert bound.plan(trial) == plan
 
 
 def test_plan_params_rejects_plans_outside_the_space():
-    s = space()
+    bound = BoundSpace.unchecked(space(), CANDIDATES)
     with pytest.raises(SpaceError, match="not among the space's candidates"):
-        plan_params(s, ErasePlan(cuts=(Cut(module="over"),)), CANDIDATES)
+        bound.params(ErasePlan(cuts=(Cut(module="over"),)))
     with pytest.raises(SpaceError, match="aux_weight: 9.0 is outside"):
-        plan_params(s, ErasePlan(cuts=(Cut(module="subarchs.0", aux_weight=9.0),)), CANDIDATES)
+        bound.params(ErasePlan(cuts=(Cut(module="subarchs.0", aux_weight=9.0),)))
     no_place = space(SPACE.replace("max_streams: 3", "max_streams: 3\n  modes: [keep, detach]"))
     with pytest.raises(SpaceError, match="subarchs.0.mode: 'place' is not one of the space's choices"):
-        plan_params(no_place, ErasePlan(placements=(Placement(module="subarchs.0", stream=1),), num_streams=1),
-                    CANDIDATES)
+        BoundSpace.unchecked(no_place, CANDIDATES).params(
+            ErasePlan(placements=(Placement(module="subarchs.0", stream=1),), num_streams=1))
 
 
 def test_objective_follows_gain_over():

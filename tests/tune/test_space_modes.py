@@ -1,5 +1,5 @@
 """Per-candidate modes and the graph mode: parsed with one-line errors, sampled conditionally,
-inverted exactly by plan_params, and checked against the model (a candidate that can never be
+inverted exactly by BoundSpace.params, and checked against the model (a candidate that can never be
 detached may still be placed or graphed)."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import pytest
 from erase_tune.errors import EraseTuneError
 from erase_tune.runtime import Cut, ErasePlan, Graphed, Placement
 from erase_tune.tune.search.checks import check_space
-from erase_tune.tune.search.space import SearchSpace, SpaceError, plan_key, plan_params
+from erase_tune.tune.search.codec import BoundSpace
+from erase_tune.tune.search.space import SearchSpace, SpaceError
 
 DLRM = "workload: {name: dlrm, args: {batch: 32, rows: 50, emb_dim: 4, num_tables: 4, bot_mlp: '16-4', " \
        "top_mlp: '16-8-1', train_batches: 4, eval_batches: 2}}\n"
@@ -101,15 +102,16 @@ def _variants() -> list[SearchSpace]:
 @pytest.mark.parametrize("index", range(3), ids=["searched", "round_robin", "no-side-streams"])
 def test_plans_and_params_are_inverses_over_random_params(index: int) -> None:
     s = _variants()[index]
-    key = plan_key(s, CANDIDATES)
+    bound = BoundSpace.unchecked(s, CANDIDATES)
+    key = bound.key
     rng = np.random.RandomState(index)
     seen: set[str] = set()
     for _ in range(300):
         plan_yaml, params = key({}, rng)  # every parameter the plan needs, drawn at random
         plan = ErasePlan.loads(plan_yaml)
         assert plan == plan.canonical()
-        again = plan_params(s, plan, CANDIDATES)
-        assert s.plan_from_trial(optuna.trial.FixedTrial(again), CANDIDATES) == plan, (params, again)
+        again = bound.params(plan)
+        assert bound.plan(optuna.trial.FixedTrial(again)) == plan, (params, again)
         modes = {c: params.get(f"{c}.mode", s.modes_of(c)[0]) for c in CANDIDATES}
         assert "top_l" not in {c.module for c in plan.cuts}  # its own modes exclude detach
         assert "top_l.0:4" not in {p.module for p in plan.placements} or plan.whole_step_graph
@@ -129,16 +131,16 @@ def test_plans_and_params_are_inverses_over_random_params(index: int) -> None:
 
 
 def test_plan_params_refuses_graphs_outside_the_space() -> None:
-    s = space()
+    bound = BoundSpace.unchecked(space(), CANDIDATES)
     with pytest.raises(SpaceError, match=r"top_l.0:4.graph_stream: 3 is outside the space's streams 0..2"):
-        plan_params(s, ErasePlan(graphs=(Graphed(module="top_l.0:4", stream=3),), num_streams=3), CANDIDATES)
+        bound.params(ErasePlan(graphs=(Graphed(module="top_l.0:4", stream=3),), num_streams=3))
     no_graph = space(SPACE.replace("modes: [keep, place, detach, graph]", "modes: [keep, place, detach]"))
     with pytest.raises(SpaceError, match=r"bot_l.mode: 'graph' is not one of the space's choices"):
-        plan_params(no_graph, ErasePlan(graphs=(Graphed(module="bot_l"),)), CANDIDATES)
+        BoundSpace.unchecked(no_graph, CANDIDATES).params(ErasePlan(graphs=(Graphed(module="bot_l"),)))
     with pytest.raises(SpaceError, match=r"'emb_l.0' is not among the space's candidates"):
-        plan_params(s, ErasePlan(graphs=(Graphed(module="emb_l.0"),)), CANDIDATES)
+        bound.params(ErasePlan(graphs=(Graphed(module="emb_l.0"),)))
     with pytest.raises(SpaceError, match=r"top_l.0:4.mode: 'place' is not one of the space's choices"):
-        plan_params(s, ErasePlan(placements=(Placement(module="top_l.0:4", stream=1),), num_streams=1), CANDIDATES)
+        bound.params(ErasePlan(placements=(Placement(module="top_l.0:4", stream=1),), num_streams=1))
 
 
 def test_the_checked_space_never_detaches_what_cannot_be() -> None:
@@ -149,7 +151,7 @@ def test_the_checked_space_never_detaches_what_cannot_be() -> None:
     study = optuna.create_study(directions=["maximize", "minimize"], sampler=optuna.samplers.RandomSampler(seed=0))
     for _ in range(40):
         trial = study.ask()
-        plan = s.plan_from_trial(trial, checked.candidates, checked.can_detach)
+        plan = checked.plan(trial)
         assert {c.module for c in plan.cuts} <= {"bot_l"}
         study.tell(trial, [0.0, 0.0])
 
@@ -166,7 +168,7 @@ def test_the_workloads_own_candidates_are_offered_what_works() -> None:
     study = optuna.create_study(directions=["maximize", "minimize"], sampler=optuna.samplers.RandomSampler(seed=1))
     for _ in range(60):
         trial = study.ask()
-        plan = s.plan_from_trial(trial, checked.candidates, checked.can_detach)
+        plan = checked.plan(trial)
         assert {c.module for c in plan.cuts} <= {"bot_l", "bot_l.0:2"}
         modes_seen.update(v for k, v in trial.params.items() if k.startswith("top_l.mode"))
         study.tell(trial, [0.0, 0.0])

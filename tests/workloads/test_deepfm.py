@@ -17,7 +17,7 @@ from torch import nn
 
 from erase_tune.errors import EraseTuneError, PlanError
 from erase_tune.runtime import Cut, EraseEngine, ErasePlan, Graphed, Placement, probe
-from erase_tune.trial import Budget, run_trial
+from erase_tune.measure.trial import Budget, run_trial
 from erase_tune.tune.search.checks import check_space
 from erase_tune.tune.search.space import SearchSpace
 from erase_tune.workloads import BUILTINS, get_workload, module_of
@@ -439,7 +439,7 @@ def test_graphing_branches_trains_like_the_plain_loop_on_cuda(plan: ErasePlan) -
 @pytest.mark.gpu
 def test_the_whole_step_can_be_captured_on_cuda() -> None:
     """Unlike dlrm's: the offsets are a buffer, so no host tensor enters the step."""
-    from erase_tune.trial import reference_capture_error
+    from erase_tune.measure.trial import reference_capture_error
 
     wl = get_workload("deepfm", {**SMALL, "batch": 64, "train_batches": 12})
     assert reference_capture_error(wl, torch.device("cuda")) is None

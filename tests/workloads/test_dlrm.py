@@ -227,7 +227,7 @@ def test_a_criteo_file_is_read(tmp_path: Path) -> None:
 def test_bench_cuts_only_what_can_be_detached_together() -> None:
     """`erase-tune bench --workload dlrm` without --cuts: the top MLP produces the output and its
     first layers would starve the embeddings, so bench cuts the bottom MLP alone."""
-    from erase_tune.bench import detachable
+    from erase_tune.measure.bench import detachable
 
     wl = get_workload("dlrm", SMALL)
     data, model = wl.make_data(torch.device("cpu")), wl.build_model()

@@ -43,7 +43,7 @@ class TrialWorker:
     def __init__(self, workload: str) -> None:
         self.failure: Failure | None = None
         try:
-            import erase_tune.trial  # noqa: F401 - torch and the library, once per process
+            import erase_tune.measure.trial  # noqa: F401 - torch and the library, once per process
             from erase_tune.workloads import module_of
 
             importlib.import_module(module_of(workload))

@@ -4,7 +4,7 @@
 (a STRICT_PACK placement group, one GPU each, or one CPU each on the CPU); rank 0 picks the
 rendezvous address (its node's IP and a free port). For each trial every rank joins a fresh
 process group (nccl on CUDA, gloo on the CPU), runs the same
-:func:`~erase_tune.trial.run_trial` with it — baseline, candidate, twin and reference all
+:func:`~erase_tune.measure.trial.run_trial` with it — baseline, candidate, twin and reference all
 data parallel, interleaved as in one process — and leaves the group. The driver keeps rank
 0's result; a rank that failed fails the trial (:class:`~erase_tune.tune.execute.executor.RayExecutor`).
 """

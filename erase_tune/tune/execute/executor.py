@@ -197,10 +197,6 @@ class RayExecutor:
         self._running[ref] = handle
         return handle
 
-    def resubmit(self, handle: TrialHandle) -> TrialHandle:
-        """Run the same trial again on another (fresh) group: an infrastructure retry."""
-        return self.submit(handle.spec)
-
     @property
     def running(self) -> list[TrialHandle]:
         return list(self._running.values())

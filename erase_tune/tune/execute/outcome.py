@@ -1,7 +1,7 @@
 """What crosses from a trial worker back to the driver: a typed, frozen outcome.
 
 A worker sends exactly one :class:`TrialOutcome`: the library's own
-:class:`~erase_tune.trial.TrialResult` (metrics, per-step samples with their windows,
+:class:`~erase_tune.measure.trial.TrialResult` (metrics, per-step samples with their windows,
 provenance) or a :class:`Failure` saying what kind of failure it was, why, and the
 worker's traceback. Nothing is read back by string keys. The failure kind decides what the
 driver does: a ``trial`` failure (invalid plan, NaN, OOM, capture) is the plan's and is
@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from erase_tune.confirm import ConfirmResult
-from erase_tune.trial import TrialResult
+from erase_tune.measure.confirm import ConfirmResult
+from erase_tune.measure.trial import TrialResult
 
 __all__ = ["FailureKind", "Failure", "WorkerInfo", "TrialOutcome", "ConfirmOutcome"]
 

@@ -2,14 +2,14 @@
 
 This is the seam between the service and the library: a Ray actor (or anything else) calls
 :func:`run_spec` in its process; it builds the workload, runs
-:func:`erase_tune.trial.run_trial` and turns every way a trial can go wrong into a
+:func:`erase_tune.measure.trial.run_trial` and turns every way a trial can go wrong into a
 :class:`~erase_tune.tune.execute.outcome.Failure` of the right kind, so a broken trial is recorded,
 not fatal. :func:`run_confirm` does the same for a confirming re-measurement (of speed or of
 quality) and for the noise floor a job measures when its first cut is proposed, and
 :func:`run_reference` for the job's preflight before its first trial: one try of the
 whole-step-graph reference (on CUDA; in a worker the executor replaces afterwards when the
 capture failed: a failed capture can leave a process's CUDA state unfit for measuring) and the
-baseline's step time, from which the job estimates its phases (erase_tune.estimate).
+baseline's step time, from which the job estimates its phases (erase_tune.measure.estimate).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class TrialSpec:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ConfirmSpec:
-    """A confirming re-measurement of front plans (see :mod:`erase_tune.confirm`)."""
+    """A confirming re-measurement of front plans (see :mod:`erase_tune.measure.confirm`)."""
 
     workload: str
     workload_args: Mapping[str, Any]
@@ -63,9 +63,9 @@ class ConfirmSpec:
     gain_over: str
     device: str = "auto"
     task: str = "speed"
-    """``speed`` (:func:`erase_tune.confirm.confirm_plans`), ``quality``
-    (:func:`erase_tune.noise.confirm_quality`) or ``noise`` (:func:`erase_tune.noise.measure_noise_floor`;
-    ``plans`` is then empty)."""
+    """``speed`` (:func:`erase_tune.measure.confirm.confirm_plans`), ``quality``
+    (:func:`erase_tune.measure.noise.confirm_quality`) or ``noise``
+    (:func:`erase_tune.measure.noise.measure_noise_floor`; ``plans`` is then empty)."""
     band: float = 0.0
     """``quality``: the job's noise floor band (the interval of plans exact by construction)."""
     max_windows: int = 40
@@ -82,8 +82,8 @@ CONFIRM_TASKS = ("speed", "quality", "noise")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ReferenceSpec:
     """The job's preflight: one try of the whole-step-graph reference
-    (:func:`erase_tune.trial.reference_capture_error`, when ``try_graph``) and the baseline's
-    step cost (:func:`erase_tune.estimate.measure_step`)."""
+    (:func:`erase_tune.measure.trial.reference_capture_error`, when ``try_graph``) and the baseline's
+    step cost (:func:`erase_tune.measure.estimate.measure_step`)."""
 
     workload: str
     workload_args: Mapping[str, Any]
@@ -115,7 +115,7 @@ def run_spec(spec: TrialSpec, info: Callable[[], dict[str, Any]] = dict, process
 
     def work() -> Any:
         from erase_tune.runtime import ErasePlan
-        from erase_tune.trial import Budget, run_trial
+        from erase_tune.measure.trial import Budget, run_trial
         from erase_tune.workloads import get_workload
 
         plan = ErasePlan.from_dict(dict(spec.plan))
@@ -135,9 +135,9 @@ def run_confirm(spec: ConfirmSpec, info: Callable[[], dict[str, Any]] = dict,
     """Run one confirmation; never raises for its own failure."""
 
     def work() -> Any:
-        from erase_tune.confirm import confirm_plans
+        from erase_tune.measure.confirm import confirm_plans
         from erase_tune.runtime import ErasePlan
-        from erase_tune.trial import Budget
+        from erase_tune.measure.trial import Budget
         from erase_tune.workloads import get_workload
 
         workload = get_workload(spec.workload, dict(spec.workload_args))
@@ -155,10 +155,10 @@ def run_confirm(spec: ConfirmSpec, info: Callable[[], dict[str, Any]] = dict,
 
 
 def _quality_or_noise(spec: ConfirmSpec, workload: Any, plans: Mapping[str, Any], process_group: Any) -> Any:
-    """The ``quality`` and ``noise`` tasks of a :class:`ConfirmSpec` (erase_tune.noise)."""
+    """The ``quality`` and ``noise`` tasks of a :class:`ConfirmSpec` (erase_tune.measure.noise)."""
     from erase_tune.errors import EraseTuneError
-    from erase_tune.noise import confirm_quality, measure_noise_floor
-    from erase_tune.trial import Budget
+    from erase_tune.measure.noise import confirm_quality, measure_noise_floor
+    from erase_tune.measure.trial import Budget
 
     budget = Budget(**spec.budget)
     if spec.task == "noise":
@@ -174,11 +174,11 @@ def _quality_or_noise(spec: ConfirmSpec, workload: Any, plans: Mapping[str, Any]
 
 def run_reference(spec: ReferenceSpec, info: Callable[[], dict[str, Any]] = dict) -> ReferenceOutcome:
     """The preflight (:class:`ReferenceSpec`); never raises for the workload's own failure. The
-    capture is tried first in the process (see :func:`erase_tune.trial.reference_capture_error`)."""
+    capture is tried first in the process (see :func:`erase_tune.measure.trial.reference_capture_error`)."""
 
     def work() -> tuple[str | None, dict[str, float]]:
-        from erase_tune.estimate import measure_step
-        from erase_tune.trial import reference_capture_error
+        from erase_tune.measure.estimate import measure_step
+        from erase_tune.measure.trial import reference_capture_error
         from erase_tune.workloads import get_workload
 
         workload = get_workload(spec.workload, dict(spec.workload_args))

@@ -1,10 +1,10 @@
 """The second look before a plan leaves the study: its speed, then its quality, re-measured.
 
 At the end of ``start`` and in ``export``, the best front plans are re-timed against their
-baseline by the same interleaved protocol as the trials (:mod:`erase_tune.confirm`: one
+baseline by the same interleaved protocol as the trials (:mod:`erase_tune.measure.confirm`: one
 process, windows added until each gain's 95% interval is within ±``CONFIRM_HALFWIDTH`` or a cap
 is reached), and the plans whose gain is confirmed are trained longer over several data
-orders (:func:`erase_tune.noise.confirm_quality`, an NE-gap interval). Both run on a trial
+orders (:func:`erase_tune.measure.noise.confirm_quality`, an NE-gap interval). Both run on a trial
 worker and are stored in the project's tables.
 
 :func:`choose` is the one rule both ``start`` (to say what an export would write) and
@@ -79,7 +79,7 @@ def with_quality(space: Any, scale: int | None, seeds: int | None) -> Any:
 def confirm_quality_front(db: Storage, study: optuna.Study, space_like: Any, executor: Any,
                           front: list[FrontPoint]) -> dict[int, QualityConfirmation]:
     """Train the first ``MAX_CONFIRMED`` of ``front`` (the plans that could be exported: their
-    gain is confirmed) longer over several seeds (erase_tune.noise.confirm_quality, the space's
+    gain is confirmed) longer over several seeds (erase_tune.measure.noise.confirm_quality, the space's
     ``budget.quality_scale`` and ``quality_seeds``) and store the NE gaps with their intervals;
     nothing when the space turns quality confirmation off. Plans their trial verified exact are not trained."""
     budget = space_like.budget

@@ -7,14 +7,14 @@ is opened and the study created or resumed under the study's lock. A resumed job
 the local journal of outcomes a previous driver measured but could not store.
 
 Before the first trial a *preflight* runs once per job on a worker: on GPU slots the whole-step
-CUDA-graph reference is tried (:func:`erase_tune.trial.reference_capture_error`), and the
-baseline's step time is measured (erase_tune.estimate), so the job prints what each phase will
+CUDA-graph reference is tried (:func:`erase_tune.measure.trial.reference_capture_error`), and the
+baseline's step time is measured (erase_tune.measure.estimate), so the job prints what each phase will
 cost before it spends anything, and keeps the figure current as trials finish. Both are kept on
 the study (a resumed job does not try again). With ``--time-budget`` the whole job, confirmation
 included, ends on time: no trial is started that would run past the budget less the
 confirmation's share, and the confirmation's windows are capped to what is left.
 
-The noise floor of the NE gap (erase_tune.noise) is measured only when the space can propose a
+The noise floor of the NE gap (erase_tune.measure.noise) is measured only when the space can propose a
 cut, and only when the first plan with cuts is about to run (once per study: a resumed job
 reuses the stored one); exact plans never need it. A model whose step cannot be captured whole is tuned
 without that reference: trials leave it out and record why, a ``whole_step_graph: true``
@@ -44,7 +44,7 @@ from typing import Any
 
 from erase_tune._files import name_problem
 from erase_tune.errors import EraseTuneError, shown
-from erase_tune.estimate import StepCost, describe_phases, duration, job_phases, trial_seconds
+from erase_tune.measure.estimate import StepCost, describe_phases, duration, job_phases, trial_seconds
 from erase_tune.store import default_storage_url
 from erase_tune.store.engine import parse_url
 from erase_tune.store.storage import open_storage
@@ -315,7 +315,7 @@ def _check_resumable(study: Any, space: SearchSpace, name: str) -> None:
 
 
 def _noise_floor(db: Any, space: SearchSpace, name: str, executor: RayExecutor) -> tuple[dict[str, Any] | None, bool]:
-    """The study's noise floor (erase_tune.noise): the stored one on resume, else measured now
+    """The study's noise floor (erase_tune.measure.noise): the stored one on resume, else measured now
     on a trial slot (once per study: a driver that finds one stored meanwhile takes that one).
     Returns (floor dict or None when ``noise_repeats`` is 0, whether it was measured here)."""
     with db.lock(f"study:{name}"):
@@ -397,7 +397,7 @@ def _lazy_floor(db: Any, space: SearchSpace, name: str, executor: RayExecutor, l
 
 
 def _estimate(space: SearchSpace, cost: StepCost | None, target: int, loop: Loop, what: JobSpec) -> str | None:
-    """The phases of this job and their durations, one line (erase_tune.estimate); None without a step cost."""
+    """The phases of this job and their durations, one line (erase_tune.measure.estimate); None without a step cost."""
     if cost is None:
         return None
     b = space.budget

@@ -40,7 +40,7 @@ from optuna.trial import TrialState
 
 from erase_tune.runtime import ErasePlan
 from erase_tune.store.storage import Storage, StorageLost
-from erase_tune.trial import BASELINE
+from erase_tune.measure.trial import BASELINE
 from erase_tune.tune.search.codec import BoundSpace
 from erase_tune.tune.search.screen import SEARCH, SEED, Screen, results_of
 from erase_tune.tune.execute.executor import RayExecutor, TrialHandle

@@ -28,8 +28,8 @@ from erase_tune.store import Job, baseline_key
 from erase_tune.store.storage import Storage
 from erase_tune.tune.execute.outcome import Failure, TrialOutcome
 from erase_tune.tune.search.space import SearchSpace
-from erase_tune.confirm import baseline_plan
-from erase_tune.noise import feasible
+from erase_tune.measure.confirm import baseline_plan
+from erase_tune.measure.noise import feasible
 from erase_tune.tune.search.study import CONSTRAINTS, Attr, constraint, metric_attrs, objective_values
 
 __all__ = ["Recorder"]
@@ -42,7 +42,7 @@ class Recorder:
         self.study, self.storage, self.job, self.space = study, storage, job, space
         self._study_id = storage.optuna.get_study_id_from_name(study.study_name)
         self.band = 0.0
-        """The study's noise floor band (erase_tune.noise): gaps within the budget plus it are feasible."""
+        """The study's noise floor band (erase_tune.measure.noise): gaps within the budget plus it are feasible."""
         self.env: tuple[str, str] | None = None
         """(device name, torch version) of the last measured trial: the baseline cache's key."""
         latest = storage.store.latest_provenance(job)

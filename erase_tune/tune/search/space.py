@@ -11,26 +11,23 @@ Each candidate gets one choice among keep / place on a side stream / detach on a
 graph; which of them a candidate is offered is the space's ``modes``, or the candidate's own
 (``{module: top_l, modes: [keep, place, graph]}``). The codec between Optuna parameters and
 plans is :class:`erase_tune.tune.search.codec.BoundSpace`, made once by
-:func:`erase_tune.tune.search.checks.check_space`; ``plan_from_trial``, ``plan_key`` and
-``plan_params`` here are thin wrappers over it for tests.
+:func:`erase_tune.tune.search.checks.check_space` (``BoundSpace.unchecked`` binds a space to
+known candidates without its model).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from erase_tune.runtime import ErasePlan
-from erase_tune.trial import Budget
+from erase_tune.measure.trial import Budget
 from erase_tune.tune.search import space_file
 from erase_tune.tune.search.space_file import MODES, SpaceError, SpaceFile
 
-if TYPE_CHECKING:
-    from erase_tune.tune.search.codec import Guard
-
-__all__ = ["SearchSpace", "SpaceError", "MODES", "plan_params", "plan_key"]
+__all__ = ["SearchSpace", "SpaceError", "MODES"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -133,28 +130,3 @@ class SearchSpace:
         """The choices a plan of this space has for ``candidate``: its own, else :attr:`modes`
         (a bound space resolves them so for each of its candidates: ``BoundSpace.modes``)."""
         return self.candidate_modes.get(candidate, self.modes)
-
-    # -- thin wrappers over the codec, for tests (the service binds once, in check_space) -----
-    # The codec is built on this module, so these import it when called.
-
-    def plan_from_trial(self, trial: Any, candidates: Sequence[str], can_detach: Guard | None = None) -> ErasePlan:
-        """:meth:`~erase_tune.tune.search.codec.BoundSpace.plan` of this space bound to ``candidates``."""
-        from erase_tune.tune.search.codec import BoundSpace
-
-        return BoundSpace.unchecked(self, candidates, can_detach).plan(trial)
-
-
-def plan_key(space: SearchSpace, candidates: Sequence[str], can_detach: Guard | None = None
-             ) -> Callable[[dict[str, Any], Any], tuple[str, dict[str, Any]]]:
-    """:meth:`~erase_tune.tune.search.codec.BoundSpace.key` of ``space`` bound to ``candidates``."""
-    from erase_tune.tune.search.codec import BoundSpace
-
-    return BoundSpace.unchecked(space, candidates, can_detach).key
-
-
-def plan_params(space: SearchSpace, plan: ErasePlan, candidates: Sequence[str],
-                can_detach: Guard | None = None) -> dict[str, Any]:
-    """:meth:`~erase_tune.tune.search.codec.BoundSpace.params` of ``space`` bound to ``candidates``."""
-    from erase_tune.tune.search.codec import BoundSpace
-
-    return BoundSpace.unchecked(space, candidates, can_detach).params(plan)

@@ -3,7 +3,7 @@
 Objectives are ``qps_gain`` (maximize: p90 QPS gain over the baseline the space's
 ``gain_over`` names) and ``ne_gap`` (minimize: relative NE gap); their names are set on the
 study so optuna-dashboard labels them. The NE budget is a constraint, ``ne_gap - (max_ne_gap
-+ band) <= 0`` where ``band`` is the study's measured noise floor (erase_tune.noise; 0 before
++ band) <= 0`` where ``band`` is the study's measured noise floor (erase_tune.measure.noise; 0 before
 it is measured), and ``-max_ne_gap`` for a plan exact by construction (no cuts), stored once in the trial's ``constraints`` system attribute: Optuna 5's samplers and
 ``study.best_trials`` read it, and so does optuna-dashboard 0.21 (which does not read the
 per-key form ``trial.set_constraint`` writes). Each measured number is its own scalar user
@@ -20,7 +20,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from erase_tune.errors import EraseTuneError, shown
-from erase_tune.trial import TrialResult
+from erase_tune.measure.trial import TrialResult
 
 __all__ = ["METRIC_NAMES", "DIRECTIONS", "CONSTRAINTS", "Attr", "SAMPLERS", "make_sampler", "open_study", "load_study",
            "metric_attrs", "objective_values", "flat_attrs", "attr", "FrontPoint", "pareto_front", "measured",
@@ -57,10 +57,10 @@ class Attr:
     WORKLOAD = "workload"
     GAIN_OVER = "gain_over"
     DRIVERS = "drivers_started"
-    NOISE_FLOOR = "noise_floor"  # erase_tune.noise.NoiseFloor.to_dict()
+    NOISE_FLOOR = "noise_floor"  # erase_tune.measure.noise.NoiseFloor.to_dict()
     NOISE_BAND = "ne_noise_band"  # its band, a scalar the dashboard lists
     REFERENCE_ERROR = "reference_error"  # why the whole-step graph cannot be captured; None: it can (CUDA only)
-    STEP_COST = "step_cost"  # the preflight's erase_tune.estimate.StepCost, as a dict
+    STEP_COST = "step_cost"  # the preflight's erase_tune.measure.estimate.StepCost, as a dict
     QUALITY_LEFT_OUT = "quality_left_out"  # the job's time budget left no time to confirm NE gaps
 
 
@@ -182,7 +182,7 @@ def noise_band(study: optuna.Study) -> float:
 
 
 def constraint(ne_gap: float, max_ne_gap: float, band: float = 0.0, *, exact: bool = False) -> float:
-    """The value stored in ``constraints``: <= 0 when feasible (erase_tune.noise.feasible)."""
+    """The value stored in ``constraints``: <= 0 when feasible (erase_tune.measure.noise.feasible)."""
     return -max_ne_gap if exact else ne_gap - (max_ne_gap + band)
 
 

@@ -1,6 +1,6 @@
 """``erase-tune export``: confirm the front, then write the plan production training loads.
 
-The front within the NE budget is re-measured first (:mod:`erase_tune.confirm`: baseline
+The front within the NE budget is re-measured first (:mod:`erase_tune.measure.confirm`: baseline
 and front plans interleaved in one process, ``windows`` more windows) unless the job's own
 end-of-run confirmation already did so with at least as many windows. ``export`` then applies
 the rule ``start`` applied at its end (:func:`erase_tune.tune.run.confirm.choose`, so the two
@@ -11,7 +11,7 @@ exits non-zero (``--force`` writes the best one anyway, marked unconfirmed).
 
 Quality is confirmed too (where the space's ``budget.quality_scale`` is not 0): the same front
 plans are trained ``quality_scale`` times longer over ``quality_seeds`` seeds against the
-baseline trained the same way (erase_tune.noise.confirm_quality). A plan with cuts is exported
+baseline trained the same way (erase_tune.measure.noise.confirm_quality). A plan with cuts is exported
 only when its confirmed NE-gap interval, widened by the study's noise floor, lies under the
 budget (same rule and ``--force``); an exact plan (no cuts, gradients checked) is not trained;
 the file records the search NE gap, the noise floor and the confirmed NE gap with its interval.

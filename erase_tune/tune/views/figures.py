@@ -110,7 +110,7 @@ def pareto_figure(records: Sequence[TrialRecord], front: Sequence[TrialRecord], 
     """QPS gain (x) against NE gap (y) of every measured trial: feasible ones filled, infeasible
     ones hollow grey, the front within the budget in red over the area it dominates, the budget
     as a dashed line, the baseline at (0, 0), the paper's configuration as a star, seeds named.
-    The noise floor of the NE gap (``noise_band``, erase_tune.noise) is a blue band ±band about 0
+    The noise floor of the NE gap (``noise_band``, erase_tune.measure.noise) is a blue band ±band about 0
     and a dotted line at budget + band, where infeasibility begins.
 
     Two panels share the gain axis: all trials, then the band within the budget. Infeasible

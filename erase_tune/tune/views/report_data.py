@@ -46,7 +46,7 @@ class StudyFacts:
     duplicates: int
     """Complete trials that repeat a measured plan (``duplicate_of``)."""
     noise_band: float = 0.0
-    """The study's noise floor of the NE gap (erase_tune.noise): gaps within budget + band are feasible."""
+    """The study's noise floor of the NE gap (erase_tune.measure.noise): gaps within budget + band are feasible."""
     noise_floor: dict[str, Any] | None = None
     """The whole noise-floor measurement (gaps, kinds, steps, provenance), if made."""
     phases: dict[str, int] = dataclasses.field(default_factory=dict)

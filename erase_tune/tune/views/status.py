@@ -41,7 +41,7 @@ class JobStatus:
     confirmations: list[Confirmation]
     exports: list[Export]
     noise_floor: dict[str, Any] | None = None
-    """The study's noise floor of the NE gap (erase_tune.noise), if measured."""
+    """The study's noise floor of the NE gap (erase_tune.measure.noise), if measured."""
     quality: list[QualityConfirmation] = dataclasses.field(default_factory=list)
     """Quality confirmations (front plans trained longer over seeds), oldest first."""
     phases: dict[str, int] = dataclasses.field(default_factory=dict)

@@ -6,7 +6,7 @@ lives in one place.
 
 from __future__ import annotations
 
-from erase_tune.trial import TrialResult
+from erase_tune.measure.trial import TrialResult
 from erase_tune.tune.run.job import JobSummary
 from erase_tune.tune.run.loop import Progress
 

@@ -129,7 +129,7 @@ class Budget:
     """Also time the candidate's detach-only twin (splits work removed from overlap gained)."""
     # The three fields below are read by the service around the trials, never by a trial.
     noise_repeats: int = 3
-    """Data orders the noise floor of the NE gap is measured over (erase_tune.noise; 0: none)."""
+    """Data orders the noise floor of the NE gap is measured over (erase_tune.measure.noise; 0: none)."""
     quality_scale: int = 4
     """Quality confirmation trains finalists this many times a trial's training steps (0: none)."""
     quality_seeds: int = 3

@@ -33,7 +33,7 @@ from erase_tune.measure import StopRule, measure_gains, provenance
 from erase_tune.measure.protocol import STOPS
 from erase_tune.runtime import ErasePlan
 from erase_tune.runtime.device import resolve_device
-from erase_tune.trial import (
+from erase_tune.measure.trial import (
     GAIN_OVER,
     Budget,
     Variant,
@@ -114,7 +114,7 @@ def confirm_plans(
     interleaved, in windows of ``budget.window_steps`` steps after ``budget.warmup_steps``
     warm-up steps each: at least ``windows`` windows, then each plan until its gain's 95%
     interval is at most ``±halfwidth``, at most ``max_windows``. ``process_group``: as one rank
-    of a data-parallel trial (see :func:`erase_tune.trial.run_trial`; every rank acts on rank 0's
+    of a data-parallel trial (see :func:`erase_tune.measure.trial.run_trial`; every rank acts on rank 0's
     window gains)."""
     if isinstance(windows, bool) or not isinstance(windows, int) or windows < 2:
         raise EraseTuneError(f"--repeats: {windows!r} must be an integer >= 2 (an interval needs two windows)")

@@ -23,7 +23,7 @@ plain loop (:mod:`erase_tune.measure.hostcpu`): a host-bound step's wall time sp
 from window to window to show a tax of tens of µs, its CPU time does not. On a host-bound model
 this tax, not the overlap, decides whether ERASE can win.
 
-On CUDA the whole-step graph is tried once first (:func:`erase_tune.trial.reference_capture_error`);
+On CUDA the whole-step graph is tried once first (:func:`erase_tune.measure.trial.reference_capture_error`);
 a model whose step cannot be captured whole loses its graph rows, and the reason is kept in
 ``BenchResult.graph_error``.
 """
@@ -53,7 +53,7 @@ from erase_tune.measure.protocol import ProtocolResult
 from erase_tune.runtime import Cut, ErasePlan, Placement
 from erase_tune.runtime.probe import ProbeResult, probe
 from erase_tune.runtime.device import resolve_device
-from erase_tune.trial import (
+from erase_tune.measure.trial import (
     Budget,
     Variant,
     build_engine,

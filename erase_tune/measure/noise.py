@@ -18,7 +18,7 @@ floor judges noise. So before a study's trials the noise floor is measured:
 A plan is then judged infeasible only when its gap exceeds ``max_ne_gap + band``, and a plan
 that is exact by construction (no cuts: placements and graphed pieces only, with or without
 the whole-step graph) is never judged on its gap at all (:func:`exact_by_construction`, defined
-with the trial, which checks it: :func:`erase_tune.trial.run_trial` compares such a plan's
+with the trial, which checks it: :func:`erase_tune.measure.trial.run_trial` compares such a plan's
 gradients with the baseline's and, when they agree, does not train it for NE at all).
 
 Quality confirmation (:func:`confirm_quality`) trains finalists longer, over several seeds,
@@ -41,7 +41,7 @@ from erase_tune.measure import provenance, t_interval
 from erase_tune.measure.rng import SeededRandom
 from erase_tune.runtime import ErasePlan
 from erase_tune.runtime.device import resolve_device
-from erase_tune.trial import (
+from erase_tune.measure.trial import (
     MAX_REPEATS,
     Budget,
     TrialFailed,
@@ -123,7 +123,7 @@ def train_ne(workload: Workload, plan: ErasePlan, init: torch.nn.Module, data: W
     in an order permuted by that seed. The steps draw their random numbers (dropout masks) from
     ``random_seed``'s own sequence (:class:`~erase_tune.measure.rng.SeededRandom`): a trial's
     variants draw from ``budget.seed``'s. ``check``: check the workload's loss first
-    (:func:`erase_tune.trial.check_workload_loss`). Data parallel: rank r trains batch ``s·k + r`` of the
+    (:func:`erase_tune.measure.trial.check_workload_loss`). Data parallel: rank r trains batch ``s·k + r`` of the
     (permuted) order, as a trial does."""
     rank, world = ranks_of(process_group)
     engine = build_engine(workload, plan, init, data, device, process_group)
