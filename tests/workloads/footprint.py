@@ -1,4 +1,8 @@
-"""Run workload calls in a fresh interpreter and report each one's time and peak memory.
+"""Run workload calls in a fresh interpreter and report each one's CPU time and peak memory.
+
+Time is the process's CPU time (``time.process_time``), not the wall clock: on a loaded
+machine a call waits for a core as long as the other processes hold it, which says nothing of
+the call's own cost; its CPU time does not stretch so.
 
 Memory a call allocates through torch is invisible to tracemalloc (torch's CPU allocator is
 not Python's), so the measure is the process's peak resident set (``ru_maxrss``) before and
@@ -29,7 +33,7 @@ for name in BUILTINS:  # import each built-in (and what it imports) before measu
     get_workload(name).example(torch.device("cpu"))
 results = []
 for case in json.loads(sys.argv[1]):
-    before, started = peak(), time.perf_counter()
+    before, started = peak(), time.process_time()
     error = None
     try:
         workload = get_workload(case["name"], case["args"])
@@ -37,7 +41,7 @@ for case in json.loads(sys.argv[1]):
             inputs, target = workload.example(torch.device("cpu"))
     except WorkloadError as exc:
         error = str(exc)
-    results.append({"seconds": time.perf_counter() - started, "grew": peak() - before, "error": error})
+    results.append({"cpu_seconds": time.process_time() - started, "grew": peak() - before, "error": error})
 print(json.dumps(results))
 """
 
@@ -45,7 +49,7 @@ print(json.dumps(results))
 def measure(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """For each case ``{"name", "args", "example": bool}``: build the workload (and, if
     ``example``, its example batch on the CPU) in one fresh process, in order. Returns per
-    case ``seconds``, ``grew`` (bytes the peak resident set grew by) and ``error`` (the
+    case ``cpu_seconds``, ``grew`` (bytes the peak resident set grew by) and ``error`` (the
     WorkloadError's message, or None)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run(
