@@ -129,6 +129,9 @@ class JobSpec:
     """Seconds the whole job may take, confirmation included; None: no limit."""
 
     def __post_init__(self) -> None:
+        if self.trials == 0:  # a dry run is its own command: it trains nothing and opens no storage
+            raise EraseTuneError("--trials: 0 runs no trial and would only set a study up; for a dry run that "
+                                 "trains nothing, use: erase-tune check --space FILE")
         if self.trials is not None and not 1 <= self.trials <= MAX_TRIALS:
             raise EraseTuneError(f"--trials: {self.trials} must be in 1..{MAX_TRIALS}")
         if self.time_budget_s is not None and not 1 <= self.time_budget_s <= MAX_WAIT_S:  # also refuses nan
