@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -48,10 +49,12 @@ from erase_tune.tune.search.space import SearchSpace
 from erase_tune.tune.search.space_file import MAX_TRIALS
 from erase_tune.workloads import Workload, get_workload
 
-__all__ = ["SpaceCheck", "Element", "PlanCount", "check_space_file", "count_plans", "phases", "MAX_WALK"]
+__all__ = ["SpaceCheck", "Element", "PlanCount", "check_space_file", "count_plans", "phases", "MAX_WALK", "MAX_WALK_S"]
 
-MAX_WALK = 5_000
+MAX_WALK = 100_000
 """Parameter sets walked at most to count a space's plans; a larger space is said to be larger."""
+MAX_WALK_S = 3.0
+"""Seconds the count may take: a space it cannot walk in that time is said to be larger."""
 CHECK_STEPS = 2
 """Steps an element's engine runs on the CPU (the first checks every parameter got a gradient)."""
 
@@ -80,19 +83,19 @@ class PlanCount:
 
     plans: int | None
     """Distinct canonical plans (with each cut's λ at its low end when λ is searched); None:
-    more than :data:`MAX_WALK` parameter sets, not counted."""
+    more parameter sets than could be walked (:data:`MAX_WALK`, :data:`MAX_WALK_S`), not counted."""
     continuous: bool
     """A detached cut's λ is searched over a range: infinitely many plans."""
     walked: int
     """Parameter sets walked."""
 
     def describe(self, aux_weight: tuple[float, float, bool]) -> str:
-        size = f"{self.plans} distinct plans" if self.plans is not None else \
-            f"over {MAX_WALK} parameter sets, not counted further"
+        walked = f"more than the {self.walked} parameter sets walked in {MAX_WALK_S:g} s"
         if self.continuous:
             low, high, _ = aux_weight
-            return f"infinitely many (each detached cut's λ is continuous in [{low:g}, {high:g}]); {size} up to λ"
-        return f"{self.plans} (exact)" if self.plans is not None else f"finite, {size}"
+            size = f"{self.plans} distinct plans" if self.plans is not None else f"{walked} (not counted)"
+            return f"infinitely many: each detached cut's λ is continuous in [{low:g}, {high:g}]; up to λ, {size}"
+        return f"{self.plans} (exact)" if self.plans is not None else f"finite, but {walked} (not counted exactly)"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -283,21 +286,23 @@ class _Walk:
 _PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(ErasePlan) if f.name != "provenance")
 
 
-def count_plans(bound: BoundSpace, limit: int = MAX_WALK) -> PlanCount:
+def count_plans(bound: BoundSpace, limit: int = MAX_WALK, seconds: float = MAX_WALK_S) -> PlanCount:
     """The distinct canonical plans ``bound`` can make (each cut's λ at its low end), found by
-    walking every parameter set of its conditional space; not counted past ``limit`` sets."""
+    walking every parameter set of its conditional space; not counted past ``limit`` sets or
+    ``seconds``."""
     plans: set[tuple[Any, ...]] = set()
     stack: list[list[int]] = [[]]
     walked, continuous = 0, False
+    ends = time.monotonic() + seconds
     while stack:
+        if walked >= limit or (walked % 256 == 0 and time.monotonic() > ends):
+            return PlanCount(plans=None, continuous=continuous, walked=walked)
         prefix = stack.pop()
         walk = _Walk(prefix)
         plan = bound.plan(walk)  # canonical: equal plans are equal fields
         plans.add(tuple(getattr(plan, f) for f in _PLAN_FIELDS))
         continuous = continuous or walk.continuous
         walked += 1
-        if walked > limit:
-            return PlanCount(plans=None, continuous=continuous, walked=walked)
         for j in range(len(prefix), len(walk.taken)):
             stack.extend([*walk.taken[:j], k] for k in range(1, walk.arity[j]))
     return PlanCount(plans=len(plans), continuous=continuous, walked=walked)
