@@ -89,9 +89,8 @@ def test_the_page_runs_as_written(tmp_path):
 
 def _quoted_check() -> list[str]:
     """The output of ``erase-tune check`` the page quotes (the block after its command)."""
-    text = DOC.read_text()
-    block = text[text.index("erase-tune check --space ranker.yaml\n```"):]
-    return BLOCK.findall(block)[0][1].splitlines()
+    text, command = DOC.read_text(), "erase-tune check --space ranker.yaml\n```\n"
+    return BLOCK.findall(text[text.index(command) + len(command):])[0][1].splitlines()
 
 
 def test_the_quoted_refusal_is_what_erase_tune_prints(tmp_path):

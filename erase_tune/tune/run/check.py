@@ -40,7 +40,7 @@ from erase_tune.errors import EraseTuneError, first_line
 from erase_tune.estimate import Phase, StepCost, describe_phases, job_phases, measure_step
 from erase_tune.runtime import EraseEngine, ErasePlan
 from erase_tune.runtime.device import resolve_device
-from erase_tune.trial import GRAPH_WARMUP
+from erase_tune.trial import GRAPH_WARMUP, reference_capture_error
 from erase_tune.tune.run.confirm import CONFIRM_MAX_WINDOWS, MAX_CONFIRMED
 from erase_tune.tune.search.checks import check_space
 from erase_tune.tune.search.codec import BoundSpace
@@ -231,6 +231,17 @@ def check_element(workload: Workload, name: str, plan: ErasePlan, device: torch.
     and ``init``: the workload's example batch on ``device`` and its model (made here if not given)."""
     described = plan.describe()
     graphs = bool(plan.graphs) or plan.whole_step_graph or any(c.graph for c in plan.cuts)
+    if device.type == "cuda" and plan == ErasePlan(whole_step_graph=True):
+        # The whole-step graph alone is the trials' reference: tried as the job's preflight tries it
+        # (on the workload's batches; a failed capture's CUDA RNG state is repaired).
+        try:
+            error = reference_capture_error(workload, device)
+        except (EraseTuneError, RuntimeError, ValueError, TypeError) as e:
+            error = first_line(e)
+        if error is not None:
+            return Element(name=name, status=REFUSED, screened=screened, plan=described,
+                           reason=f"{error} (start then tunes without the whole-step graph)")
+        return Element(name=name, status=OK, screened=screened, plan=described)
     try:
         init = init if init is not None else workload.build_model()
         batch = batch if batch is not None else workload.example(device)
