@@ -89,7 +89,8 @@ def test_check_names_the_refused_element_and_why(here, capsys):
            "cut layers.0:2" in out
     refused = next(line for line in out if line.lstrip().startswith("cut layers.2:4"))
     assert re.fullmatch(r"  cut layers\.2:4 +refused: plan leaves 6 parameters untrained: layers\.0\.linear\.weight, "
-                        r".*\(cut 'layers\.2:4' detaches everything upstream of it\)", refused), refused
+                        r".*\(cut 'layers\.2:4' detaches everything upstream of it\); the search offers it only "
+                        r"with the cuts upstream of it", refused), refused
     assert re.fullmatch(r"  cut layers\.0:2 +ok", next(line for line in out if "cut layers.0:2 " in line))
     graph = next(line for line in out if line.lstrip().startswith("graph head"))
     assert re.fullmatch(r"  graph head +needs CUDA: its checks pass here; the piece is captured as a CUDA graph on a "

@@ -180,7 +180,7 @@ def check_space_file(path: str | Path, *, trials: int | None = None, slots: int 
     except (EraseTuneError, RuntimeError, ValueError, TypeError) as e:
         raise EraseTuneError(f"{space.source}: the workload's example batch or model fails on {device}: "
                              f"{first_line(e)}") from None
-    elements = [check_element(workload, name, plan, device, screened, batch=batch, init=init)
+    elements = [_guarded(bound, check_element(workload, name, plan, device, screened, batch=batch, init=init))
                 for name, plan, screened in screen.every_single()]
     count = count_plans(bound)
     try:
@@ -265,6 +265,19 @@ def check_element(workload: Workload, name: str, plan: ErasePlan, device: torch.
                        reason=f"its checks pass here; {what} is captured as a CUDA graph on a GPU only "
                               f"(on {device.type} it runs eagerly)")
     return Element(name=name, status=OK, screened=screened, plan=described)
+
+
+def _guarded(bound: BoundSpace, element: Element) -> Element:
+    """A cut refused alone says what the search does with it: the detach guard offers it only
+    once the cuts upstream of it are chosen (or never, for a candidate no plan may detach)."""
+    if element.status != REFUSED or not element.name.startswith("cut ") or bound.can_detach is None:
+        return element
+    candidate = element.name.removeprefix("cut ")
+    if bound.can_detach([], candidate):
+        return element
+    never = candidate in getattr(bound.can_detach, "never", ())
+    then = "the search never detaches it" if never else "the search offers it only with the cuts upstream of it"
+    return dataclasses.replace(element, reason=f"{element.reason}; {then}")
 
 
 # -- counting plans -------------------------------------------------------------------------------
