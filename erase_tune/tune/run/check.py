@@ -53,7 +53,7 @@ __all__ = ["SpaceCheck", "Element", "PlanCount", "check_space_file", "count_plan
 
 MAX_WALK = 100_000
 """Parameter sets walked at most to count a space's plans; a larger space is said to be larger."""
-MAX_WALK_S = 3.0
+MAX_WALK_S = 5.0
 """Seconds the count may take: a space it cannot walk in that time is said to be larger."""
 CHECK_STEPS = 2
 """Steps an element's engine runs on the CPU (the first checks every parameter got a gradient)."""
