@@ -55,6 +55,8 @@ MAX_WALK = 100_000
 """Parameter sets walked at most to count a space's plans; a larger space is said to be larger."""
 MAX_WALK_S = 5.0
 """Seconds the count may take: a space it cannot walk in that time is said to be larger."""
+TIMED_STEPS = 5
+"""Steps the baseline is timed for (after 3 untimed), on one example batch."""
 CHECK_STEPS = 2
 """Steps an element's engine runs on the CPU (the first checks every parameter got a gradient)."""
 
@@ -170,6 +172,9 @@ def check_space_file(path: str | Path, *, trials: int | None = None, slots: int 
     bound = check_space(space)
     workload = get_workload(space.workload, space.workload_args)
     device, note = _device(space)
+    if space.gain_over == "graph" and device.type != "cuda":
+        note = (f"{note}; " if note else "") + ("gain_over: graph needs GPU trial slots: start refuses it on a "
+                                                "cluster without GPUs")
     if slots is None:
         slots = _default_slots(device, space.gpus_per_trial)
     elif not 1 <= slots <= 4096:
@@ -184,7 +189,7 @@ def check_space_file(path: str | Path, *, trials: int | None = None, slots: int 
                 for name, plan, screened in screen.every_single()]
     count = count_plans(bound)
     try:
-        cost = measure_step(workload, device)
+        cost = measure_step(workload, device, steps=TIMED_STEPS)
     except (EraseTuneError, RuntimeError, ValueError, TypeError) as e:
         raise EraseTuneError(f"{space.source}: the baseline's step fails on {device}: {first_line(e)}") from None
     target = trials if trials is not None else space.trials
@@ -195,7 +200,7 @@ def check_space_file(path: str | Path, *, trials: int | None = None, slots: int 
         candidates=[(c, tuple(bound.modes[c])) for c in bound.candidates],
         count=count, plans_line=count.describe(space.aux_weight),
         screen=[s.name for s in screen.singles] if space.screen else [], screen_on=space.screen,
-        elements=elements, step_ms=cost.step_s * 1e3, build_s=cost.build_s, timed_steps=5, trials=target,
+        elements=elements, step_ms=cost.step_s * 1e3, build_s=cost.build_s, timed_steps=TIMED_STEPS, trials=target,
         slots=slots, phases=ph, estimate=describe_phases(ph))
 
 
