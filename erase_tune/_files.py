@@ -23,6 +23,7 @@ cost about a second before Python's recursion limit stopped it.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -195,6 +196,20 @@ _INVISIBLE_LETTERS = frozenset("\u115f\u1160\u3164\uffa0")
 
 
 def name_problem(name: str, *, dotted: bool = False) -> str | None:
+    """Why ``name`` is not a visible, printable name (None when it is); see :func:`_name_problem`.
+    Short names are remembered: a plan's targets are checked on every plan built, and a search
+    (``erase-tune check`` counting a space's plans) builds thousands of plans over a few names."""
+    if isinstance(name, str) and len(name) <= 256:
+        return _known_name_problem(name, dotted)
+    return _name_problem(name, dotted=dotted)
+
+
+@functools.lru_cache(maxsize=4096)
+def _known_name_problem(name: str, dotted: bool) -> str | None:
+    return _name_problem(name, dotted=dotted)
+
+
+def _name_problem(name: str, *, dotted: bool = False) -> str | None:
     """Why ``name`` is not a visible, printable name (None when it is).
 
     Refused: control and format characters (zero-width spaces and joiners, bidi overrides,

@@ -34,6 +34,7 @@ from erase_tune._env import check_environment
 from erase_tune.cli_args import (
     Parser,
     bench_args,
+    check_args,
     dashboard_args,
     db_args,
     export_args,
@@ -165,6 +166,15 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     floor = _noise_floor(ns, workload)
     if floor is not None:
         print(_noise_line(floor, None))
+    return 0
+
+
+def cmd_check(ns: argparse.Namespace) -> int:
+    """A dry run of a space: checked against its model, its single elements tried, its step timed."""
+    from erase_tune.tune.run.check import check_space_file
+
+    found = check_space_file(ns.space, trials=ns.trials, slots=ns.slots, import_from=_import_from)
+    _emit_json(found.to_dict()) if ns.json else print(found.text())
     return 0
 
 
@@ -300,6 +310,8 @@ def cmd_db(ns: argparse.Namespace) -> int:
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "trial": ("measure one plan against the baseline", trial_args, cmd_trial),
     "bench": ("time the runtime's variants side by side", bench_args, cmd_bench),
+    "check": ("dry run of a search space: its plans, what the model refuses, step time, estimate (trains "
+              "nothing)", check_args, cmd_check),
     "start": ("run (or resume) a tuning job", start_args, cmd_start),
     "status": ("a job, its Pareto front and confirmations; or one trial", status_args, cmd_status),
     "export": ("confirm the front and write the chosen plan file for production", export_args, cmd_export),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import NoReturn
 
-__all__ = ["Parser", "one_line", "trial_args", "bench_args", "start_args", "status_args", "export_args",
+__all__ = ["Parser", "one_line", "trial_args", "bench_args", "check_args", "start_args", "status_args", "export_args",
            "report_args", "dashboard_args", "db_args"]
 
 MAX_USAGE_MESSAGE = 300
@@ -110,6 +110,14 @@ def _quality(p: argparse.ArgumentParser) -> None:
                         "budget.quality_scale, 4 unless set; 0: no quality confirmation)")
     p.add_argument("--quality-seeds", type=int, metavar="N",
                    help="data orders of the quality confirmation (default: the space's budget.quality_seeds, 3)")
+
+
+def check_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--space", required=True, help="search space file (search_spaces/*.yaml)")
+    p.add_argument("--trials", type=int, help="trials the estimate is for (default: the space's)")
+    p.add_argument("--slots", type=int, help="trials in flight the estimate assumes (default: as start on this "
+                                             "machine: one per GPU, else one per CPU)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
 def start_args(p: argparse.ArgumentParser) -> None:

@@ -145,8 +145,9 @@ class Budget:
                 raise EraseTuneError(f"budget.{name}: {text} must be an integer in 0..{top}")
         if self.warmup_steps < GRAPH_WARMUP + 2:
             raise EraseTuneError(
-                f"budget.warmup_steps: {self.warmup_steps} is too short; CUDA graphs need {GRAPH_WARMUP + 2} "
-                "(eager warm-up, capture, one replay) before timing starts"
+                f"budget.warmup_steps: {self.warmup_steps} is too short; every trial warms each variant up for at "
+                f"least {GRAPH_WARMUP + 2} untimed steps, on a CPU too (no graph is captured there, but one budget "
+                "must mean the same on every device, and a CUDA graph needs them: eager warm-up, capture, one replay)"
             )
         if self.windows < 1 or self.window_steps < 1:
             raise EraseTuneError("budget.windows and budget.window_steps must be >= 1")

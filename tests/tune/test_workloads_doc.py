@@ -64,7 +64,8 @@ def test_the_page_runs_as_written(tmp_path):
     _write(work)
     commands = doc_commands()
     assert [c.split()[:2] for c in commands] == [["python", "check_grads.py"], ["erase-tune", "trial"],
-                                                 ["erase-tune", "start"], ["erase-tune", "export"]]
+                                                 ["erase-tune", "check"], ["erase-tune", "start"],
+                                                 ["erase-tune", "export"]]
     for command in commands:
         argv = shlex.split(command)
         if argv[0] == "python":
@@ -73,11 +74,23 @@ def test_the_page_runs_as_written(tmp_path):
         assert done.returncode == 0, f"{command}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
         if argv[0] == sys.executable:
             assert "gradients match the reference" in done.stdout
+        if argv[1] == "check":  # the dry run: the page's candidates, screen and elements; nothing stored
+            def same(lines: list[str]) -> list[str]:
+                return [line for line in lines if line.startswith(("candidates", "  ", "screen:"))]
+
+            assert same(done.stdout.splitlines()) == same(_quoted_check())
+            assert not (work / "erase-tune.db").exists()
 
     trials = optuna.load_study(study_name="ranker", storage=f"sqlite:///{work / 'erase-tune.db'}").get_trials()
     assert sum(t.state.name == "COMPLETE" and "duplicate_of" not in t.user_attrs for t in trials) == 6
     plan = ErasePlan.load(work / "best.yaml")
     assert plan.provenance["workload"] == "my_ranker:workload" and "confirmed" in plan.provenance
+
+
+def _quoted_check() -> list[str]:
+    """The output of ``erase-tune check`` the page quotes (the block after its command)."""
+    text, command = DOC.read_text(), "erase-tune check --space ranker.yaml\n```\n"
+    return BLOCK.findall(text[text.index(command) + len(command):])[0][1].splitlines()
 
 
 def test_the_quoted_refusal_is_what_erase_tune_prints(tmp_path):

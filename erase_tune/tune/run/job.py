@@ -44,7 +44,7 @@ from typing import Any
 
 from erase_tune._files import name_problem
 from erase_tune.errors import EraseTuneError, shown
-from erase_tune.measure.estimate import StepCost, describe_phases, duration, job_phases, trial_seconds
+from erase_tune.measure.estimate import StepCost, describe_phases, duration, trial_seconds
 from erase_tune.store import default_storage_url
 from erase_tune.store.engine import parse_url
 from erase_tune.store.storage import open_storage
@@ -61,6 +61,7 @@ from erase_tune.tune.run.confirm import (
     confirm_quality_front,
     with_quality,
 )
+from erase_tune.tune.run import check
 from erase_tune.tune.run.journal import Journal
 from erase_tune.tune.run.loop import HEARTBEAT_S, Loop, Progress
 from erase_tune.tune.run.record import Recorder
@@ -128,6 +129,9 @@ class JobSpec:
     """Seconds the whole job may take, confirmation included; None: no limit."""
 
     def __post_init__(self) -> None:
+        if self.trials == 0:  # a dry run is its own command: it trains nothing and opens no storage
+            raise EraseTuneError("--trials: 0 runs no trial and would only set a study up; for a dry run that "
+                                 "trains nothing, use: erase-tune check --space FILE")
         if self.trials is not None and not 1 <= self.trials <= MAX_TRIALS:
             raise EraseTuneError(f"--trials: {self.trials} must be in 1..{MAX_TRIALS}")
         if self.time_budget_s is not None and not 1 <= self.time_budget_s <= MAX_WAIT_S:  # also refuses nan
@@ -400,24 +404,11 @@ def _estimate(space: SearchSpace, cost: StepCost | None, target: int, loop: Loop
     """The phases of this job and their durations, one line (erase_tune.measure.estimate); None without a step cost."""
     if cost is None:
         return None
-    b = space.budget
     left = max(0, target - loop.counts()[0])
-    # the singles and, at most, as many unions again (pairs and the all-union of the gainers)
-    screen = min(left, 2 * len(loop.screen.singles)) if loop.screen is not None else 0
-    confirm = MAX_CONFIRMED if what.confirm_windows else 0
-    quality_runs = (MAX_CONFIRMED + 1) * b.quality_seeds * b.quality_scale if b.quality_scale else 0
-    phases = job_phases(cost, warmup_steps=b.warmup_steps, window_steps=b.window_steps, min_windows=b.windows,
-                        max_windows=b.max_windows, quality_steps=b.quality_steps, screen_plans=screen,
-                        search_trials=left - screen, reference=b.reference and loop.executor.device == "cuda",
-                        may_detach=space.may_detach,
-                        noise_runs=(b.noise_repeats + 1) if b.noise_repeats and loop.floor_due is not None else 0,
-                        training_steps=b.training_steps, confirm_plans=confirm,
-                        confirm_min_windows=what.confirm_windows,
-                        confirm_max_windows=max(what.confirm_windows, CONFIRM_MAX_WINDOWS), quality_runs=quality_runs)
-    slots = max(1, loop.executor.slots)
-    if slots > 1:  # trials share the slots; the rest runs on one
-        phases = [dataclasses.replace(p, low_s=p.low_s / slots, high_s=p.high_s / slots)
-                  if p.name in ("screen", "search") else p for p in phases]
+    phases = check.phases(space, cost, left=left,
+                          singles=len(loop.screen.singles) if loop.screen is not None else None,
+                          cuda=loop.executor.device == "cuda", slots=max(1, loop.executor.slots),
+                          noise_due=loop.floor_due is not None, confirm_windows=what.confirm_windows)
     return f"{describe_phases(phases)} (from a measured step of {cost.step_s * 1e3:.1f} ms)"
 
 

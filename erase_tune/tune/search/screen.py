@@ -191,10 +191,26 @@ class Screen:
                 tail += " (done)"
         return f"screen: {', '.join(parts)}; {tail}"
 
+    def every_single(self) -> list[tuple[str, ErasePlan, bool]]:
+        """``(name, plan, screened)`` of every single structural change the space's modes name,
+        in screen order, including those the screen leaves out (a cut the detach guard refuses
+        alone, a plan the space cannot make): what ``erase-tune check`` tries on the model.
+        ``screened``: the screen measures it (it is one of :attr:`singles`)."""
+        screened = {step.name for step in self.singles}
+        out = []
+        for name, element, whole in self._single_elements(guarded=False):
+            try:
+                plan = self._plan([] if element is None else [element], whole=whole)
+            except PlanError:
+                continue
+            out.append((name, plan, name in screened))
+        return out
+
     # -- building plans ---------------------------------------------------------------------------
 
-    def _single_elements(self) -> Iterable[tuple[str, Cut | Placement | Graphed | None, bool]]:
-        """(name, element, whole-step graph) of each single, in screen order, before any check."""
+    def _single_elements(self, guarded: bool = True) -> Iterable[tuple[str, Cut | Placement | Graphed | None, bool]]:
+        """(name, element, whole-step graph) of each single, in screen order, before any check
+        (but the detach guard's, unless ``guarded`` is False)."""
         s, b = self.bound.space, self.bound
         if set(s.whole_step_graph) == {False, True}:
             yield _WHOLE, None, True
@@ -206,7 +222,7 @@ class Screen:
                 yield f"place {c}", Placement(module=c, stream=self._stream(c, 0)), self._whole
         low, high, _ = s.aux_weight
         for c in b.candidates:
-            if "detach" in b.modes[c] and (b.can_detach is None or b.can_detach([], c)):
+            if "detach" in b.modes[c] and (not guarded or b.can_detach is None or b.can_detach([], c)):
                 stream = self._stream(c, 0) if s.max_streams else 0
                 yield f"cut {c}", Cut(module=c, stream=stream, aux_weight=min(max(1.0, low), high)), self._whole
 
