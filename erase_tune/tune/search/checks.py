@@ -103,6 +103,6 @@ def _never_detached(found: ProbeResult, can_detach: Guard, greedy: Sequence[Cut]
     if can_detach([], candidate) or any(targets_overlap(candidate, g.module) for g in greedy) \
             or can_detach(greedy, candidate):
         return None
-    plan = ErasePlan(cuts=(Cut(module=candidate),))
-    alone = found.starved_message(plan, found.untrained(plan))
-    return f"{alone}, even with every candidate before it detached too" if greedy else alone
+    plan = ErasePlan(cuts=(*greedy, Cut(module=candidate)))  # what starves even with the others' help
+    message = found.starved_message(plan, found.untrained(plan))
+    return f"{message}, even with every candidate before it detached too" if greedy else message
