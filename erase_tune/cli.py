@@ -18,7 +18,10 @@ signal handlers (SIGTERM's is put back after ray.init replaces it, in ``start`` 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import errno
+import io
 import json
 import logging
 import os
@@ -401,7 +404,35 @@ def _stopped(signum: int) -> int:
     return 128 + signum
 
 
+def _printable_output() -> None:
+    """Characters the terminal's encoding lacks (``PYTHONIOENCODING=ascii`` and a study named
+    ``étude``) are written as escapes instead of ending the command in a traceback."""
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper) and stream.errors == "strict":
+            stream.reconfigure(errors="backslashreplace")
+
+
+_OUTPUT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EPIPE, errno.EROFS})
+
+
+def _output_failed(e: OSError) -> str | None:
+    """One line for a write that failed for want of room (a full disk under ``status --json >
+    file``, ``report -o``, ``bench --trace``), "" for a reader that went away (``| head``: silent,
+    as any Unix tool), else None. Standard output's descriptor is then pointed at /dev/null, so
+    that the exit's own flush of what is still buffered cannot fail a second time."""
+    if e.errno not in _OUTPUT_ERRNOS:
+        return None
+    if e.filename is None:  # a stream's write: standard output, most likely
+        with contextlib.suppress(OSError, ValueError, AttributeError, io.UnsupportedOperation):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    if e.errno == errno.EPIPE:
+        return ""
+    where = one_line(str(e.filename), 200) if e.filename is not None else "the command's output"
+    return f"cannot write {where}: {e.strerror or os.strerror(e.errno or 0)} (free some space or write elsewhere)"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    _printable_output()
     restore = _on_signals()
     ns = None
     try:
@@ -413,7 +444,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_environment()
         _configure_logging(ns)
         code = ns.func(ns)
+        sys.stdout.flush()  # a full disk or a closed pipe shows here, not in the exit's own flush
         return _stopped(_received[0]) if _received else code
+    except OSError as e:
+        message = _output_failed(e)
+        if message is None:
+            raise
+        if not message:
+            return 128 + signal.SIGPIPE
+        print(f"erase-tune: error: {message}", file=sys.stderr)
+        return 2
     except ModuleNotFoundError as e:
         if (e.name or "").split(".")[0] not in _SERVICE_MODULES:
             raise
