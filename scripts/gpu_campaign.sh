@@ -203,6 +203,13 @@ case $phase in
     step deepfm_export 40 0 $py -m erase_tune export --study deepfm --storage "sqlite:///$work/deepfm.db" \
       -o "$work/best_deepfm.yaml"
     ;;
+  s3)  # this session's CPU-only work, owed on the GPU: dropout masks alike under graphs and side
+        # streams, bench skipping a row whose graphs cannot be captured, check --space on CUDA
+    step gputests 120 0 $py -m pytest -q -m gpu tests/measure/test_trial_protocol.py tests/test_bench_rows.py \
+      tests/tune/test_check_space.py -p no:cacheprovider
+    step dlrm_check 120 0 $py -m erase_tune check --space search_spaces/dlrm.yaml
+    step deepfm_dropout_bench 200 0 $py -m erase_tune bench --workload deepfm --arg dropout=0.2 --device cuda
+    ;;
   n)
     step ne_evidence 480 0 $py scripts/ne_evidence.py --out "$work" --rank-arg train_batches=1700
     ;;

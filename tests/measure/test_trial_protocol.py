@@ -271,6 +271,20 @@ def test_on_cuda_graphs_and_placements_are_verified_exact(plan, ne_calls):
     assert result.gain_vs_reference_interval is not None  # the graph reference ran beside it
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("plan", [
+    ErasePlan(whole_step_graph=True),
+    ErasePlan(graphs=(Graphed(module="bottom"),)),
+    ErasePlan(placements=(Placement(module="bottom", stream=1),), num_streams=1),
+], ids=["whole-step-graph", "graphed", "placement"])
+def test_on_cuda_under_dropout_graphs_and_placements_draw_the_baselines_masks(plan, ne_calls):
+    """Not run yet (written without a GPU): with dropout in the graphed or placed tower, a CUDA
+    graph's replays and a side stream draw the same masks as the eager baseline (each variant
+    its own copy of one seed's generator state), so the plan is verified exact."""
+    result = run_trial(_with_dropout(), plan, BUDGET, device="cuda")
+    assert result.exact and ne_calls == [] and result.ne_gap == 0.0, result.exact_diff
+
+
 class _Jitter(torch.autograd.Function):
     """Identity forward; a backward that adds a relative 1e-3 of jitter drawn from a generator of
     its own (not the seeded stream): a backward that is not deterministic, as an embedding's
