@@ -48,9 +48,8 @@ def refuse_unfit(model: nn.Module, plan: ErasePlan, process_group: Any) -> None:
             "process_group=...; the engine averages gradients itself (DDP's reducer does not expect the "
             "early backward passes of detached pieces)"
         )
-    if plan.targets:
-        refuse_nested_ddp(model)
     if process_group is not None:
+        refuse_nested_ddp(model)
         refuse_sharded(model)
     plan.check_model(model)
 

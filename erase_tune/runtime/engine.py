@@ -69,7 +69,7 @@ from erase_tune.runtime.losscheck import check_main_loss, main_loss
 from erase_tune.runtime.pieces import CutRunner, Launcher, StepState
 from erase_tune.runtime.plan import ErasePlan
 from erase_tune.runtime.probe import FirstStepCheck
-from erase_tune.runtime.reduce import GradReducer, broadcast_from_rank0, early_reducer, plan_reducer, refuse_sparse
+from erase_tune.runtime.reduce import GradReducer, data_parallel, early_reducer
 
 _NOTHING = contextlib.nullcontext()  # (reusable: no context to enter without a join)
 
@@ -204,10 +204,6 @@ class EraseEngine:
         self._head_modules = nn.ModuleList(heads.values())
         self.heads = MappingProxyType(heads)
         self._params = list(dict.fromkeys(self.parameters()))
-        if process_group is not None:
-            refuse_sparse(model)
-            broadcast_from_rank0([*model.parameters(), *model.buffers(), *self._head_modules.parameters(),
-                                  *self._head_modules.buffers()], process_group)
         self._streams = [dev.new_stream(self.device) for _ in range(plan.num_streams)]
         self._stream_done = [dev.new_event(self.device) for _ in self._streams]
         self.capture_stream = dev.new_stream(self.device)
@@ -216,9 +212,8 @@ class EraseEngine:
         self._graph = step_graph(self)
         self._patches = Patches()
         self._cut_runners = self._patches.patch_plan(self, model, plan, heads)
-        self._reducer = None if process_group is None else plan_reducer(
-            process_group, plan, self._cut_runners, model, self._head_modules, dict(self._named_parameters()),
-            self.device)
+        self._reducer = data_parallel(process_group, plan, self._cut_runners, model, self._head_modules,
+                                      dict(self._named_parameters()), self.device)
 
     # -- public API ------------------------------------------------------------------------------
 
@@ -257,6 +252,8 @@ class EraseEngine:
     def close(self) -> None:
         """Restore the model's own forwards and stop the worker thread."""
         self._patches.restore()
+        if self._reducer is not None:
+            self._reducer.close()
         if self._first_step is not None:
             self._first_step.close()
         self._launcher.close()

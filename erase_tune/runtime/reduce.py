@@ -35,7 +35,7 @@ from erase_tune.errors import EraseTuneError, PlanError, shown
 from erase_tune.runtime import device as dev
 
 __all__ = ["GradReducer", "broadcast_from_rank0", "refuse_sparse", "plan_reducer", "early_reducer", "refuse_nested_ddp",
-           "refuse_sharded"]
+           "refuse_sharded", "data_parallel", "NestedDDP"]
 
 
 def _buckets(tensors: Sequence[Tensor]) -> list[list[int]]:
@@ -96,7 +96,15 @@ class GradReducer:
         self.device = device
         self.filled: set[int] = set()
         """Parameters whose gradient was ``None`` on this rank at a reduction (zeros were sent)."""
+        self.adopted: NestedDDP | None = None
+        """The DDP wrappers inside the model whose averaging this reducer does, if any."""
         self.begin()
+
+    def close(self) -> None:
+        """Give the adopted DDP wrappers their own gradient synchronisation back."""
+        if self.adopted is not None:
+            self.adopted.close()
+            self.adopted = None
 
     # -- one step ---------------------------------------------------------------------------------
 
@@ -192,12 +200,68 @@ class GradReducer:
             for g, v in zip(grads, _unflatten_dense_tensors(item.flat, grads)):
                 g.copy_(v)  # type: ignore[union-attr]
 
+def data_parallel(group: Any, plan: Any, cut_runners: Sequence[Any], model: nn.Module, heads: nn.Module,
+                  named: dict[str, nn.Parameter], device: torch.device) -> GradReducer | None:
+    """An engine's gradient averaging. With ``group`` (``process_group=``): every parameter of
+    the model and the heads, after rank 0's values are broadcast. Without, for a plan with pieces
+    on a model holding DDP wrappers (DistributedModelParallel wraps its dense part so): those
+    wrappers stand down (their forward is their module's, until the engine closes) and the engine
+    averages what they would have, their modules' gradients and the aux heads', over their process
+    group, in its own order around the early backward passes. Else None (one process)."""
+    if group is not None:
+        refuse_sparse(model)
+        broadcast_from_rank0([*model.parameters(), *model.buffers(), *heads.parameters(), *heads.buffers()], group)
+        return plan_reducer(group, plan, cut_runners, model, heads, named, device)
+    wrappers = [(n, m) for n, m in model.named_modules() if n and isinstance(m, nn.parallel.DistributedDataParallel)]
+    if not plan.targets or not wrappers:
+        return None
+    adopted = NestedDDP(wrappers)
+    try:
+        broadcast_from_rank0([*heads.parameters(), *heads.buffers()], adopted.group)
+        reducer = plan_reducer(adopted.group, plan, cut_runners, model, heads, named, device, only=adopted.params)
+    except BaseException:
+        adopted.close()
+        raise
+    reducer.adopted = adopted
+    return reducer
+
+
+class NestedDDP:
+    """DDP wrappers inside a model, standing down while an engine averages for them."""
+
+    def __init__(self, wrappers: Sequence[tuple[str, nn.parallel.DistributedDataParallel]]) -> None:
+        groups = {id(w.process_group) for _, w in wrappers}
+        if len(groups) > 1:
+            raise EraseTuneError(f"modules {', '.join(shown(n) for n, _ in wrappers[:3])} are wrapped in "
+                                 "DistributedDataParallel over different process groups; EraseEngine averages "
+                                 "one model's gradients over one group")
+        self.group = wrappers[0][1].process_group
+        # What each wrapper reduces: not the parameters it was told to ignore (DMP's sharded
+        # tables, which differ from rank to rank and are updated by their own kernels).
+        self.params = {id(p) for _, w in wrappers for n, p in w.module.named_parameters()
+                       if n not in getattr(w, "parameters_to_ignore", ())}
+        self._wrappers = [w for _, w in wrappers]
+        for w in self._wrappers:
+            # Its forward is its module's: no reducer is prepared, no static-graph all-reduce is
+            # queued (DMP's wrapper has a static graph, whose first backward would all-reduce).
+            # Buffers are not broadcast from rank 0 meanwhile (DMP's wrapper does not either).
+            w.__dict__["forward"] = w.module.__call__  # (a Module set as an attribute would be registered)
+
+    def close(self) -> None:
+        for w in self._wrappers:
+            w.__dict__.pop("forward", None)
+
+
 def plan_reducer(group: Any, plan: Any, cut_runners: Sequence[Any], model: nn.Module, heads: nn.Module,
-                 named: dict[str, nn.Parameter], device: torch.device) -> GradReducer:
+                 named: dict[str, nn.Parameter], device: torch.device, only: set[int] | None = None) -> GradReducer:
     """The reducer of an engine's plan: per cut, the parameters registered only under its
-    modules, and its head's (reduced early unless ``find_unused_parameters``); the rest."""
+    modules, and its head's (reduced early unless ``find_unused_parameters``); the rest.
+    ``only``: the model's parameters to average (ids), the heads' always (None: all)."""
     names = {id(p): n for n, p in named.items()}
-    trainable = [p for p in dict.fromkeys([*model.parameters(), *heads.parameters()]) if p.requires_grad]
+    heads_ids = {id(p) for p in heads.parameters()}
+    trainable = [p for p in dict.fromkeys([*model.parameters(), *heads.parameters()])
+                 if p.requires_grad and (only is None or id(p) in only or id(p) in heads_ids)]
+    kept = {id(p) for p in trainable}
     owners: dict[int, list[str]] = {}
     for mname, m in model.named_modules(remove_duplicate=False):
         for p in m._parameters.values():
@@ -207,10 +271,10 @@ def plan_reducer(group: Any, plan: Any, cut_runners: Sequence[Any], model: nn.Mo
     if not plan.find_unused_parameters:
         for runner in cut_runners:
             members = runner.cut.members
-            own = [p for m in runner.modules for p in m.parameters() if p.requires_grad]
+            own = [p for m in runner.modules for p in m.parameters() if id(p) in kept]
             inside = [p for p in own
                       if all(any(o == m or o.startswith(m + ".") for m in members) for o in owners[id(p)])]
-            head = [p for p in runner.head.parameters() if p.requires_grad]
+            head = [p for p in runner.head.parameters() if id(p) in kept]
             cut_params.append(list(dict.fromkeys([*inside, *head])))
     early = {id(p) for ps in cut_params for p in ps}
     rest = [p for p in trainable if id(p) not in early]
@@ -230,15 +294,14 @@ def early_reducer(reducer: GradReducer | None, plan: Any, cut_runners: Sequence[
 
 
 def refuse_nested_ddp(model: nn.Module) -> None:
-    """DDP inside the model reduces in its own order from autograd hooks, which a cut's early
-    backward fires mid-forward: one line naming the wrapped module instead of DDP's error."""
+    """With ``process_group=`` the engine averages every gradient itself; DDP inside the model
+    would average its part a second time: one line naming the wrapped module."""
     for name, m in model.named_modules():
         if name and isinstance(m, nn.parallel.DistributedDataParallel):
             raise EraseTuneError(
                 f"module {shown(name)} is wrapped in DistributedDataParallel inside the model (as "
-                "DistributedModelParallel does by default): its reducer cannot follow the early backward passes of "
-                "a plan's pieces; build the model without that wrapper (DistributedModelParallel: pass a "
-                "data_parallel_wrapper that does not wrap, on one rank)"
+                "DistributedModelParallel does by default) and process_group= is given too: leave process_group= "
+                "out (the engine then averages the wrapped module's gradients over its own group)"
             )
 
 

@@ -150,7 +150,8 @@ def one_rank_group() -> Iterator[None]:
 
 def dmp(model: nn.Module, *, wrap_dense: bool, lr: float = 0.1) -> nn.Module:
     """``model`` (built on the meta device) under DistributedModelParallel: every table
-    table-wise on the one rank with the fused kernel (SGD applied inside backward). With
+    table-wise on the ranks of the default process group with the fused kernel (SGD applied
+    inside backward). With
     ``wrap_dense`` DMP wraps the rest in its DistributedDataParallel (its default); without,
     a ``data_parallel_wrapper`` that wraps nothing."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -166,7 +167,8 @@ def dmp(model: nn.Module, *, wrap_dense: bool, lr: float = 0.1) -> nn.Module:
     constraints = {f"t{i}": ParameterConstraints(sharding_types=["table_wise"], compute_kernels=["fused"])
                    for i in range(len(FEATURES))}
     sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": lr})
-    planner = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu"), constraints=constraints)
+    planner = EmbeddingShardingPlanner(topology=Topology(world_size=dist.get_world_size(), compute_device="cpu"),
+                                       constraints=constraints)
     plan = planner.collective_plan(model, [sharder], dist.GroupMember.WORLD)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)

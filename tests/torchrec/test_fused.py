@@ -1,8 +1,8 @@
 """Tables updated inside backward (TorchRec's in-backward optimizer on an unsharded EBC; the
 fused kernel of tables sharded by DistributedModelParallel): they count as trained when a loss
 reaches them, whatever their ``.grad`` says, and a plan that cuts them off is refused, wrapped
-in DMP or not. DDP nested in the model (DMP's default for the dense part) is refused in one
-line naming the wrapped module; DMP without it trains under any plan that fits."""
+in DMP or not. DMP trains under any plan that fits, with its DDP wrapper (stood down while the
+engine averages the dense gradients itself) or without."""
 
 from __future__ import annotations
 
@@ -61,17 +61,21 @@ def test_cutting_off_in_backward_tables_is_refused():
         EraseEngine(in_backward_dlrm(), STARVING, loss_fn=logits_loss, optimizer=sgd, example=((dense, kjt), labels))
 
 
-def test_nested_ddp_from_dmp_is_refused_in_one_line():
+def test_dmp_with_its_ddp_wrapper_trains_under_a_cut_and_gives_the_wrapper_back():
+    """DMP's default: the dense part in DistributedDataParallel. The engine stands the wrapper
+    down while it runs (tests/torchrec/test_dmp.py: the gradients, at one and two ranks) and a
+    plan with nothing to cut or place leaves it alone: DDP trains as in a plain loop there."""
     dense, kjt, labels = batch()
     with one_rank_group():
         model = dmp(dlrm(device="meta"), wrap_dense=True)
         plan = ErasePlan(cuts=(Cut(module="_dmp_wrapped_module.module.dense_arch"),), dispatch="blocking")
-        with pytest.raises(EraseTuneError) as e:
-            EraseEngine(model, plan, loss_fn=logits_loss, optimizer=sgd, example=((dense, kjt), labels))
-        assert str(e.value).startswith("module '_dmp_wrapped_module' is wrapped in DistributedDataParallel")
-        assert "\n" not in str(e.value)
-        # A plan with nothing to cut or place trains as a plain loop does: DDP is fine there.
+        with EraseEngine(model, plan, loss_fn=logits_loss, optimizer=sgd, example=((dense, kjt), labels),
+                         make_head=flat_head) as engine:
+            assert "forward" in model._dmp_wrapped_module.__dict__
+            assert torch.isfinite(engine.step((dense, kjt), labels))
+        assert "forward" not in model._dmp_wrapped_module.__dict__
         with EraseEngine(model, ErasePlan(), loss_fn=logits_loss, optimizer=sgd) as engine:
+            assert "forward" not in model._dmp_wrapped_module.__dict__
             assert torch.isfinite(engine.step((dense, kjt), labels))
 
 
