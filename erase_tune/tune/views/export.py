@@ -69,7 +69,7 @@ def export_plan(storage: str | None, study_name: str, out: str | Path, *, max_ne
     """Confirm the front (where not yet confirmed) and write the chosen plan to ``out``."""
     if pick not in PICKS:
         raise EraseTuneError(f"--pick: {pick!r} is not one of {', '.join(PICKS)}")
-    target = _check_output(Path(out), storage)
+    target = _check_output(out, storage)  # as typed: Path() would drop a trailing slash
     db = open_storage(storage if storage is not None else default_storage_url(), must_exist=True)
     try:
         study = load_study(db, study_name)
@@ -203,7 +203,7 @@ def storage_files(url: str | None) -> list[Path]:
     return [db, *(db.with_name(db.name + suffix) for suffix in ("-journal", "-wal", "-shm"))]
 
 
-def _check_output(path: Path, storage: str | None = None) -> Path:
+def _check_output(path: str | Path, storage: str | None = None) -> Path:
     """The plan file's path, checked before the storage is even opened (see :func:`check_output`)."""
     target = check_output(path, flag="-o", protect=storage_files(storage))
     parent = Path(os.path.realpath(target)).parent
