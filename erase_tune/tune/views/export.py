@@ -32,8 +32,10 @@ from erase_tune.runtime import ErasePlan
 from erase_tune.store import Confirmation, QualityConfirmation, default_storage_url
 from erase_tune.store.storage import Storage, open_storage
 from erase_tune.tune.search.space import SearchSpace
+from erase_tune.tune.search.space_file import MAX_NE_GAP
 from erase_tune.tune.run.confirm import (
     MAX_CONFIRMED,
+    MIN_CONFIRM_WINDOWS,
     PICKS,
     choose,
     confirm_front,
@@ -69,6 +71,13 @@ def export_plan(storage: str | None, study_name: str, out: str | Path, *, max_ne
     """Confirm the front (where not yet confirmed) and write the chosen plan to ``out``."""
     if pick not in PICKS:
         raise EraseTuneError(f"--pick: {pick!r} is not one of {', '.join(PICKS)}")
+    if isinstance(windows, bool) or not isinstance(windows, int) or windows < MIN_CONFIRM_WINDOWS:
+        raise EraseTuneError(f"--repeats: {shown(windows)} must be an integer >= {MIN_CONFIRM_WINDOWS} (an interval "
+                             "needs two windows)")
+    if max_ne_gap is not None and (isinstance(max_ne_gap, bool) or not isinstance(max_ne_gap, (int, float))
+                                   or not 0 <= max_ne_gap <= MAX_NE_GAP):  # also refuses nan
+        raise EraseTuneError(f"--max-ne-gap: {shown(max_ne_gap)} must be between 0 and {MAX_NE_GAP:g} (as a space "
+                             "file's max_ne_gap)")
     target = _check_output(out, storage)  # as typed: Path() would drop a trailing slash
     db = open_storage(storage if storage is not None else default_storage_url(), must_exist=True)
     try:
