@@ -199,3 +199,68 @@ def test_a_new_storage_url_with_a_trailing_space_creates_no_file(tmp_path, capsy
     assert run_cli("db", "upgrade", "--storage", url) == 2
     one_error_line(capsys.readouterr().err, "white space")
     assert list(tmp_path.iterdir()) == []
+
+
+# -- read-only commands on what is not an erase-tune study or storage ------------------------
+
+
+def test_status_of_a_trial_of_a_plain_optuna_study_is_one_line(study, capsys):
+    """A single-objective study made with Optuna itself, beside an erase-tune job in one storage."""
+    import optuna
+
+    plain = optuna.create_study(storage=study["url"], study_name="plain", direction="minimize")
+    plain.optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=2)
+    assert run_cli("db", "upgrade", "--storage", study["url"]) == 0  # as a job leaves it: reading it then writes nothing
+    before = _tree(study["root"])
+    for argv in (["--trial", "0"], ["--trial", "1", "--json"], []):
+        assert run_cli("status", "--study", "plain", "--storage", study["url"], *argv) == 2, argv
+        one_error_line(capsys.readouterr().err, "study 'plain' is not an erase-tune job", "(minimize)")
+    assert run_cli("report", "--study", "plain", "--storage", study["url"], "-o", study["root"] / "rep") == 2
+    one_error_line(capsys.readouterr().err, "study 'plain' is not an erase-tune job")
+    assert _tree(study["root"]) == before
+    assert run_cli("status", "--study", STUDY_NAME, "--storage", study["url"], "--trial", "0") == 0  # ours still shows
+
+
+def _foreign(kind: str, path: Path) -> None:
+    import sqlite3
+
+    if kind == "other tables":
+        conn = sqlite3.connect(path)
+        conn.execute("CREATE TABLE notes (body TEXT)")
+        conn.execute("INSERT INTO notes VALUES ('my notes')")
+        conn.commit()
+        conn.close()
+    elif kind == "empty file":
+        path.write_bytes(b"")
+    else:
+        path.write_text("not a database at all\n" * 100)
+
+
+@pytest.mark.parametrize("kind", ["other tables", "empty file", "text"])
+def test_reading_a_sqlite_file_that_is_not_an_erase_tune_storage_changes_nothing(tmp_path, capsys, kind):
+    db = tmp_path / "other.db"
+    _foreign(kind, db)
+    url = f"sqlite:///{db}"
+    before = _tree(tmp_path)
+    for argv in (["status"], ["status", "--study", "s"], ["status", "--study", "s", "--trial", "0"],
+                 ["report", "--study", "s", "-o", tmp_path / "rep"], ["db", "current"]):
+        assert run_cli(*argv, "--storage", url) == 2, argv
+        line = one_error_line(capsys.readouterr().err, str(db))
+        assert ("not an erase-tune storage" in line) if kind != "text" else ("not a database" in line), line
+    assert _tree(tmp_path) == before  # byte for byte: no Optuna tables, no WAL, no lock or journal file
+
+
+def test_reading_a_postgres_database_that_is_not_an_erase_tune_storage_creates_no_table(pg_url, capsys):
+    from sqlalchemy import create_engine, inspect
+    from sqlalchemy.pool import NullPool
+
+    engine = create_engine(pg_url, poolclass=NullPool)
+    with engine.begin() as conn:
+        conn.exec_driver_sql("CREATE TABLE notes (body TEXT)")
+    try:
+        for argv in (["status"], ["status", "--study", "s", "--trial", "0"], ["db", "current"]):
+            assert run_cli(*argv, "--storage", pg_url) == 2, argv
+            one_error_line(capsys.readouterr().err, "not an erase-tune storage")
+        assert inspect(engine).get_table_names() == ["notes"]
+    finally:
+        engine.dispose()
