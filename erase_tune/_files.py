@@ -274,9 +274,10 @@ def check_output(path: str | Path, *, flag: str = "-o", protect: Iterable[str | 
     (writing there would not make a file, or would block); a file in ``protect`` (the study's
     own database and its journal files), also when reached through a symlink or another
     relative spelling; for a file, a name ending in ``/``, ``/.`` or ``/..`` (a directory's
-    spelling, also for one that does not exist yet, or for an existing file) and a parent directory that does not exist.
-    ``path`` must be given as the user typed it: ``Path()`` drops a trailing slash. A file is written through
-    :func:`write_atomic`, so a symlink at ``path`` is replaced, never written through.
+    spelling, also for one that does not exist yet, or for an existing file) and a parent
+    directory that does not exist. ``path`` must be given as the user typed it: ``Path()``
+    drops a trailing slash. A file is written through :func:`write_atomic`, so a symlink at
+    ``path`` is replaced, never written through.
     """
     text = str(path)
     name = one_line(text, 300)

@@ -210,7 +210,7 @@ def test_status_of_a_trial_of_a_plain_optuna_study_is_one_line(study, capsys):
 
     plain = optuna.create_study(storage=study["url"], study_name="plain", direction="minimize")
     plain.optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=2)
-    assert run_cli("db", "upgrade", "--storage", study["url"]) == 0  # as a job leaves it: reading it then writes nothing
+    assert run_cli("db", "upgrade", "--storage", study["url"]) == 0  # as a job leaves it: reading then writes nothing
     before = _tree(study["root"])
     for argv in (["--trial", "0"], ["--trial", "1", "--json"], []):
         assert run_cli("status", "--study", "plain", "--storage", study["url"], *argv) == 2, argv

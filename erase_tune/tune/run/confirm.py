@@ -27,8 +27,8 @@ from erase_tune.store.storage import Storage
 from erase_tune.tune.execute.task import ConfirmSpec
 from erase_tune.tune.search.study import Attr, FrontPoint, noise_band
 
-__all__ = ["MAX_CONFIRMED", "CONFIRM_HALFWIDTH", "CONFIRM_MAX_WINDOWS", "MIN_CONFIRM_WINDOWS", "PICKS", "Choice", "choose", "pick_point",
-           "confirm_front", "confirm_quality_front", "quality_refused", "with_quality"]
+__all__ = ["MAX_CONFIRMED", "CONFIRM_HALFWIDTH", "CONFIRM_MAX_WINDOWS", "MIN_CONFIRM_WINDOWS", "PICKS", "Choice",
+           "choose", "pick_point", "confirm_front", "confirm_quality_front", "quality_refused", "with_quality"]
 
 MAX_CONFIRMED = 3
 """Front plans re-measured at most (best search gains first): the top few, in one process."""
