@@ -264,3 +264,15 @@ def test_reading_a_postgres_database_that_is_not_an_erase_tune_storage_creates_n
         assert inspect(engine).get_table_names() == ["notes"]
     finally:
         engine.dispose()
+
+
+@pytest.mark.parametrize("pad", [" ", "\n"])
+@pytest.mark.parametrize("flag", ["--py-module", "--working-dir"])
+def test_a_shipped_directory_with_white_space_after_it_is_refused_visibly(tmp_path, capsys, pad, flag):
+    (tmp_path / "pkg").mkdir()
+    db = tmp_path / "start.db"
+    given = str(tmp_path / "pkg") + pad
+    assert run_cli("start", "--space", SMOKE, "--study", "w", "--storage", f"sqlite:///{db}",
+                   "--ray-address", "127.0.0.1:1", flag, given) == 2
+    one_error_line(capsys.readouterr().err, repr(given), "does not exist")  # quoted: the space shows
+    assert not db.exists()
