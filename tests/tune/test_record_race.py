@@ -132,6 +132,9 @@ def test_a_trial_finished_by_another_driver_midway_is_recorded_once(storage_url,
                         objective_values(metric_attrs(out.result), SPACE.gain_over))
                     assert copy.user_attrs[Attr.PLAN_KEY] == key
                     assert len(trials) == 2
+                    row = fresh.store.outcome(fresh_rec.job, copy.number)  # its samples, for status --trial
+                    assert row is not None and row.status == "complete"
+                    assert set(row.samples) == set(out.result.variants)
                 else:
                     assert copies == [] and len(trials) == 1
                 if again == 0:
