@@ -100,7 +100,8 @@ def open_storage(url: str, *, must_exist: bool = False, upgrade: bool = True,
     delay = 0.2
     while True:
         try:
-            rdb, store = _open_once(url, parsed, kwargs, upgrade, heartbeat_interval, grace_period)
+            rdb, store = _open_once(url, parsed, kwargs, upgrade, heartbeat_interval, grace_period,
+                                    existing=must_exist or not upgrade)
             break
         except EraseTuneError:
             raise
@@ -119,7 +120,7 @@ def open_storage(url: str, *, must_exist: bool = False, upgrade: bool = True,
 
 
 def _open_once(url: str, parsed: URL, kwargs: dict, upgrade: bool, heartbeat_interval: int | None,
-               grace_period: int | None) -> tuple[optuna.storages.RDBStorage, Store]:
+               grace_period: int | None, existing: bool = False) -> tuple[optuna.storages.RDBStorage, Store]:
     setup_engine, rdb = None, None
     try:
         if upgrade and parsed.get_backend_name() == "postgresql":
@@ -127,7 +128,7 @@ def _open_once(url: str, parsed: URL, kwargs: dict, upgrade: bool, heartbeat_int
             from erase_tune.store.engine import build_engine
 
             setup_engine = build_engine(parsed)
-        if not upgrade:
+        if existing:  # a reader, or export: a storage of studies, never one set up here
             _check_readable(parsed)
         with _lock(parsed, setup_engine, "schema") if upgrade else contextlib.nullcontext():
             rdb = optuna.storages.RDBStorage(url, engine_kwargs=kwargs, heartbeat_interval=heartbeat_interval,
@@ -155,8 +156,9 @@ OPTUNA_TABLES = frozenset({"studies", "trials", "version_info"})
 
 
 def _check_readable(parsed: URL) -> None:
-    """A reader (``upgrade=False``: status, report, dashboard, ``db current``) opens only a
-    database that holds Optuna's tables. Optuna's ``RDBStorage`` creates its tables and stamps
+    """A reader (``upgrade=False``: status, report, dashboard, ``db current``) or a command that
+    needs a study there already (``must_exist``: export) opens only a database that holds
+    Optuna's tables. Optuna's ``RDBStorage`` creates its tables and stamps
     its version in whatever database it is given, and our SQLite engine turns WAL on: both
     would change a file that is not ours. So the tables are listed first on a plain engine
     (no WAL, nothing written); none there is one line, and the file is left byte for byte."""

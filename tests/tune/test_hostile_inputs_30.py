@@ -243,14 +243,15 @@ def test_reading_a_sqlite_file_that_is_not_an_erase_tune_storage_changes_nothing
     url = f"sqlite:///{db}"
     before = _tree(tmp_path)
     for argv in (["status"], ["status", "--study", "s"], ["status", "--study", "s", "--trial", "0"],
-                 ["report", "--study", "s", "-o", tmp_path / "rep"], ["db", "current"]):
+                 ["report", "--study", "s", "-o", tmp_path / "rep"], ["db", "current"],
+                 ["export", "--study", "s", "-o", tmp_path / "best.yaml"]):  # export needs a study there too
         assert run_cli(*argv, "--storage", url) == 2, argv
         line = one_error_line(capsys.readouterr().err, str(db))
         assert ("not an erase-tune storage" in line) if kind != "text" else ("not a database" in line), line
     assert _tree(tmp_path) == before  # byte for byte: no Optuna tables, no WAL, no lock or journal file
 
 
-def test_reading_a_postgres_database_that_is_not_an_erase_tune_storage_creates_no_table(pg_url, capsys):
+def test_reading_a_postgres_database_that_is_not_an_erase_tune_storage_creates_no_table(pg_url, capsys, tmp_path):
     from sqlalchemy import create_engine, inspect
     from sqlalchemy.pool import NullPool
 
@@ -258,7 +259,8 @@ def test_reading_a_postgres_database_that_is_not_an_erase_tune_storage_creates_n
     with engine.begin() as conn:
         conn.exec_driver_sql("CREATE TABLE notes (body TEXT)")
     try:
-        for argv in (["status"], ["status", "--study", "s", "--trial", "0"], ["db", "current"]):
+        for argv in (["status"], ["status", "--study", "s", "--trial", "0"], ["db", "current"],
+                     ["export", "--study", "s", "-o", tmp_path / "best.yaml"]):
             assert run_cli(*argv, "--storage", pg_url) == 2, argv
             one_error_line(capsys.readouterr().err, "not an erase-tune storage")
         assert inspect(engine).get_table_names() == ["notes"]
