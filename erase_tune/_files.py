@@ -288,8 +288,11 @@ def check_output(path: str | Path, *, flag: str = "-o", protect: Iterable[str | 
     (or a file, device or FIFO where a directory is wanted); a device node, FIFO or socket
     (writing there would not make a file, or would block); a file in ``protect`` (the study's
     own database and its journal files), also when reached through a symlink or another
-    relative spelling; for a file, a parent directory that does not exist. A file is written through
-    :func:`write_atomic`, so a symlink at ``path`` is replaced, never written through.
+    relative spelling; for a file, a name ending in ``/``, ``/.`` or ``/..`` (a directory's
+    spelling, also for one that does not exist yet, or for an existing file) and a parent
+    directory that does not exist. ``path`` must be given as the user typed it: ``Path()``
+    drops a trailing slash. A file is written through :func:`write_atomic`, so a symlink at
+    ``path`` is replaced, never written through.
     """
     text = str(path)
     name = one_line(text, 300)
@@ -297,6 +300,10 @@ def check_output(path: str | Path, *, flag: str = "-o", protect: Iterable[str | 
         raise EraseTuneError(f"{flag}: {name} is not a file name (it holds a NUL character)")
     if not text.strip():
         raise EraseTuneError(f"{flag}: the output path is empty")
+    last = os.path.basename(text)
+    if not directory and last in ("", ".", ".."):  # Path() drops a final "/" or "/.": a file would be written there
+        raise EraseTuneError(f"{flag}: {name} names a directory (it ends in '{last or os.sep}'); give the path of "
+                             "the file to write")
     p = Path(path)
     try:
         real = Path(os.path.realpath(p))

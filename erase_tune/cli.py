@@ -185,6 +185,9 @@ def cmd_start(ns: argparse.Namespace) -> int:
     from erase_tune.tune.run.job import DriverHooks, JobSpec, Patience, Where, start_job
     from erase_tune.tune.views.tables import progress_line, start_summary
 
+    if ns.repeats == 0 and not ns.no_confirm:  # JobSpec takes 0 for "no confirmation": say how to ask for that
+        raise EraseTuneError("--repeats: 0 must be an integer >= 2 (an interval needs two windows); --no-confirm "
+                             "skips the confirmation")
     summary = start_job(
         ns.space,
         what=JobSpec(study_name=ns.study, trials=ns.trials, confirm_windows=0 if ns.no_confirm else ns.repeats,

@@ -216,7 +216,7 @@ class OutputWorld:
 STORAGE_SPELLINGS = ("absolute", "relative", "dot", "dotdot", "symlink", "symlink-chain", "dir-symlink", "wal",
                      "journal", "shm")
 OTHER_KINDS = ("directory", "dot-dir", "root", "dev-null", "dev-zero", "fifo", "socket", "nul", "empty",
-               "missing-parent", "under-a-file", "too-long")
+               "missing-parent", "under-a-file", "too-long", "existing-slash", "fresh-slash", "fresh-slash-dot")
 GOOD_KINDS = ("fresh", "existing", "fresh-relative")
 
 
@@ -232,6 +232,9 @@ def output_path(w: OutputWorld, kind: str) -> str:
         "fifo": str(w.fifo), "socket": str(w.sock_path), "nul": str(w.root / "a\x00b.yaml"), "empty": "",
         "missing-parent": str(w.root / "no" / "such" / "dir" / "best.yaml"),
         "under-a-file": str(w.existing / "best.yaml"), "too-long": str(w.root / ("x" * 300)),
+        # a directory's spelling: the file old.yaml was replaced, a file named newdir written (issue 30)
+        "existing-slash": str(w.existing) + "/", "fresh-slash": str(w.fresh()) + "/",
+        "fresh-slash-dot": str(w.fresh()) + "/.",
         "fresh": str(w.fresh()), "existing": str(w.existing), "fresh-relative": rel(w.fresh()),
     }[kind]
 
@@ -285,8 +288,11 @@ def test_hostile_output_paths(bounds: Cases, tmp_path_factory: pytest.TempPathFa
             assert "-o:" in line or "report directory" in line, f"{where}: not refused as an output path: {line}"
             if kind in STORAGE_SPELLINGS and command == "export":
                 assert "own storage" in line, f"{where}: {line}"
-            if kind == "existing":
+            if kind in ("existing", "existing-slash"):
                 assert w.existing.read_text() == before["existing"]
+            elif kind in ("fresh-slash", "fresh-slash-dot"):
+                named = path.removesuffix("/.").removesuffix("/")
+                assert not os.path.lexists(named), f"{where}: wrote {named}"
             elif not existed and "\x00" not in path and kind != "under-a-file":
                 assert not os.path.lexists(path), f"{where}: a refused path was created"
             outcome = "refused in one line"

@@ -85,8 +85,11 @@ def parse_url(url: str) -> URL:
     """Parse and check a storage URL without connecting or importing its driver."""
     if not isinstance(url, str) or not url.strip():
         raise EraseTuneError("storage URL is empty: pass e.g. --storage sqlite:///erase-tune.db")
+    if url != url.strip():  # Optuna opens the URL as given: a SQLite file whose name ends in a space
+        raise EraseTuneError(f"storage URL '{shown_url(url)}' begins or ends with white space (copied along?): "
+                             "remove it")
     try:
-        parsed = make_url(url.strip())
+        parsed = make_url(url)
     except (ArgumentError, ValueError):
         # SQLAlchemy's own message quotes the raw string, password included: never show it.
         raise EraseTuneError(

@@ -30,14 +30,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import optuna
-from sqlalchemy import Connection, Engine, text
+from sqlalchemy import Connection, Engine, create_engine, inspect, text
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.pool import NullPool
 
 from erase_tune import errors
 from erase_tune._env import env_seconds
 from erase_tune.errors import EraseTuneError
-from erase_tune.store.engine import WRITE_OPTION, engine_kwargs, parse_url, redact_url, shown_url
+from erase_tune.store.engine import WRITE_OPTION, _is_sqlite_memory, engine_kwargs, parse_url, redact_url, shown_url
 from erase_tune.store.optuna_storage import RetryingStorage
 from erase_tune.store.repo import Store
 from erase_tune.store.retry import RETRY_ENV, Retrier, StorageLost, cause, retrying
@@ -99,7 +100,8 @@ def open_storage(url: str, *, must_exist: bool = False, upgrade: bool = True,
     delay = 0.2
     while True:
         try:
-            rdb, store = _open_once(url, parsed, kwargs, upgrade, heartbeat_interval, grace_period)
+            rdb, store = _open_once(url, parsed, kwargs, upgrade, heartbeat_interval, grace_period,
+                                    existing=must_exist or not upgrade)
             break
         except EraseTuneError:
             raise
@@ -118,7 +120,7 @@ def open_storage(url: str, *, must_exist: bool = False, upgrade: bool = True,
 
 
 def _open_once(url: str, parsed: URL, kwargs: dict, upgrade: bool, heartbeat_interval: int | None,
-               grace_period: int | None) -> tuple[optuna.storages.RDBStorage, Store]:
+               grace_period: int | None, existing: bool = False) -> tuple[optuna.storages.RDBStorage, Store]:
     setup_engine, rdb = None, None
     try:
         if upgrade and parsed.get_backend_name() == "postgresql":
@@ -126,6 +128,8 @@ def _open_once(url: str, parsed: URL, kwargs: dict, upgrade: bool, heartbeat_int
             from erase_tune.store.engine import build_engine
 
             setup_engine = build_engine(parsed)
+        if existing:  # a reader, or export: a storage of studies, never one set up here
+            _check_readable(parsed)
         with _lock(parsed, setup_engine, "schema") if upgrade else contextlib.nullcontext():
             rdb = optuna.storages.RDBStorage(url, engine_kwargs=kwargs, heartbeat_interval=heartbeat_interval,
                                              grace_period=grace_period)
@@ -145,6 +149,30 @@ def _open_once(url: str, parsed: URL, kwargs: dict, upgrade: bool, heartbeat_int
     finally:
         if setup_engine is not None:
             setup_engine.dispose()
+
+
+OPTUNA_TABLES = frozenset({"studies", "trials", "version_info"})
+"""Tables every Optuna storage holds: a database without them is no study storage."""
+
+
+def _check_readable(parsed: URL) -> None:
+    """A reader (``upgrade=False``: status, report, dashboard, ``db current``) or a command that
+    needs a study there already (``must_exist``: export) opens only a database that holds
+    Optuna's tables. Optuna's ``RDBStorage`` creates its tables and stamps
+    its version in whatever database it is given, and our SQLite engine turns WAL on: both
+    would change a file that is not ours. So the tables are listed first on a plain engine
+    (no WAL, nothing written); none there is one line, and the file is left byte for byte."""
+    if _is_sqlite_memory(parsed):
+        return
+    engine = create_engine(parsed, poolclass=NullPool)
+    try:
+        tables = set(inspect(engine).get_table_names())
+    finally:
+        engine.dispose()
+    if not OPTUNA_TABLES <= tables:
+        what = "an empty database" if not tables else f"a database of {len(tables)} other tables"
+        raise EraseTuneError(f"storage {shown_url(parsed)} is not an erase-tune storage ({what}, no Optuna "
+                             "study tables); nothing was changed")
 
 
 def _is_file(path: Path) -> bool:

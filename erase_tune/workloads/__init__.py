@@ -55,6 +55,9 @@ def get_workload(name: str, args: Mapping[str, Any] | None = None) -> Workload:
         raise WorkloadError(f"workload {shown(name)}: {message}") from exc
     except Exception as exc:
         raise WorkloadError(f"workload {shown(name)}: factory failed: {type(exc).__name__}: {_one_line(exc)}") from exc
+    except SystemExit as exc:  # e.g. builtins:exit: the command would end "successfully" having done nothing
+        raise WorkloadError(f"workload {shown(name)}: the factory exited the program (SystemExit {_one_line(exc)}): "
+                            "it is not a workload factory") from None
     if not isinstance(result, Workload):
         raise WorkloadError(
             f"workload {shown(name)}: factory returned {type(result).__name__}, expected erase_tune.workloads.Workload"
@@ -120,6 +123,11 @@ def _resolve(name: str) -> Callable[..., Any]:
         raise WorkloadError(
             f"workload {shown(name)}: {shown(attr)} is a {type(target).__name__}, not a callable factory"
         )
+    if inspect.isbuiltin(target) or getattr(target, "__module__", None) in ("builtins", "_sitebuiltins"):
+        # os:abort, builtins:exit, builtins:print: C functions and the interpreter's own
+        # helpers, which can end the process instead of returning a Workload.
+        raise WorkloadError(f"workload {shown(name)}: {shown(attr)} is built into Python ({type(target).__name__}), "
+                            "not a workload factory (a Python function returning erase_tune.workloads.Workload)")
     return target
 
 

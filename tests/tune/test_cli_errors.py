@@ -212,10 +212,10 @@ def test_status_and_export_of_a_database_that_does_not_exist(tmp_path, capsys):
     assert not missing.exists()  # a typo in a path must not create an empty database
 
 
-def test_export_with_nothing_within_the_budget_keeps_everything(intact, capsys):
-    out = intact["tmp"] / "best.yaml"
+def test_export_with_a_budget_out_of_range_keeps_everything(intact, capsys):
+    out = intact["tmp"] / "best.yaml"  # a negative budget (once: "no trial is within") is refused as such (issue 30)
     assert run_cli("export", "--study", "done", "--storage", intact["url"], "--max-ne-gap", "-1", "-o", out) == 2
-    one_error_line(capsys.readouterr().err, "no trial of study 'done' is within NE gap", "--max-ne-gap")
+    one_error_line(capsys.readouterr().err, "--max-ne-gap: -1.0 must be between 0 and 100")
     assert not out.exists()
     assert not list(intact["tmp"].glob(".best.yaml.*"))  # no temporary file left behind either
     with Store(intact["url"]) as store:

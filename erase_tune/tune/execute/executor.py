@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from erase_tune._env import UPLOAD_ENV, env_mebibytes, env_text
-from erase_tune.errors import EraseTuneError, first_line
+from erase_tune.errors import EraseTuneError, first_line, shown
 from erase_tune.tune.execute.outcome import ConfirmOutcome, Failure, TrialOutcome
 from erase_tune.tune.execute.task import ConfirmSpec, ReferenceOutcome, ReferenceSpec, TrialSpec
 from erase_tune.tune.execute.actors import WorkerGroup
@@ -400,7 +400,8 @@ def runtime_env(working_dir: str | None, py_modules: Sequence[str]) -> dict[str,
     env: dict[str, Any] = {}
     for path in [p for p in [working_dir, *py_modules] if p]:
         if not os.path.exists(path):
-            raise EraseTuneError(f"--working-dir/--py-module: {path} does not exist")
+            # quoted: a trailing space or newline copied along must show (issue 30)
+            raise EraseTuneError(f"--working-dir/--py-module: {shown(path, 300)} does not exist")
     limit = int(env_mebibytes(UPLOAD_ENV, MAX_UPLOAD_MB) * 2**20)
     total = 0
     for flag, path in [("--working-dir", working_dir), *(("--py-module", p) for p in py_modules)]:

@@ -27,8 +27,8 @@ from erase_tune.store.storage import Storage
 from erase_tune.tune.execute.task import ConfirmSpec
 from erase_tune.tune.search.study import Attr, FrontPoint, noise_band
 
-__all__ = ["MAX_CONFIRMED", "CONFIRM_HALFWIDTH", "CONFIRM_MAX_WINDOWS", "PICKS", "Choice", "choose", "pick_point",
-           "confirm_front", "confirm_quality_front", "quality_refused", "with_quality"]
+__all__ = ["MAX_CONFIRMED", "CONFIRM_HALFWIDTH", "CONFIRM_MAX_WINDOWS", "MIN_CONFIRM_WINDOWS", "PICKS", "Choice",
+           "choose", "pick_point", "confirm_front", "confirm_quality_front", "quality_refused", "with_quality"]
 
 MAX_CONFIRMED = 3
 """Front plans re-measured at most (best search gains first): the top few, in one process."""
@@ -36,6 +36,9 @@ CONFIRM_HALFWIDTH = 0.02
 """A confirmation measures each plan until its gain's 95% interval is within ±2 points."""
 CONFIRM_MAX_WINDOWS = 40
 """... or until this many windows (a host-bound step needs about 30 for ±2%)."""
+MIN_CONFIRM_WINDOWS = 2
+"""Least windows a confirmation may be asked for (``--repeats``): an interval needs two
+(:func:`erase_tune.confirm.confirm_plans` refuses fewer, but only once the trials have run)."""
 PICKS = ("max-gain", "knee")
 
 

@@ -55,6 +55,7 @@ from erase_tune.tune.execute.executor import RayExecutor, import_dirs, runtime_e
 from erase_tune.tune.run.confirm import (
     CONFIRM_MAX_WINDOWS,
     MAX_CONFIRMED,
+    MIN_CONFIRM_WINDOWS,
     Choice,
     choose,
     confirm_front,
@@ -136,6 +137,10 @@ class JobSpec:
             raise EraseTuneError(f"--trials: {self.trials} must be in 1..{MAX_TRIALS}")
         if self.time_budget_s is not None and not 1 <= self.time_budget_s <= MAX_WAIT_S:  # also refuses nan
             raise EraseTuneError(f"--time-budget: {self.time_budget_s} must be in 1s..7d")
+        w = self.confirm_windows
+        if isinstance(w, bool) or not isinstance(w, int) or (w != 0 and w < MIN_CONFIRM_WINDOWS):  # before any trial
+            raise EraseTuneError(f"--repeats: {shown(self.confirm_windows)} must be an integer >= "
+                                 f"{MIN_CONFIRM_WINDOWS} (an interval needs two windows)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -10,14 +10,26 @@ beyond those numbers (per-step samples with their windows, provenance, the failu
 traceback). A baseline NE measured by a trial goes to the baseline cache, which later
 trials (and a resumed job) reuse instead of training the baseline again.
 
-Recording is idempotent: replaying an outcome (from the journal, after a lost storage) for
-a trial that is already finished only completes what is missing; for a trial that was
-failed as stale meanwhile, the measurement is added to the study as a new trial.
+Recording is idempotent, and a trial finished by someone else first is not an error. Another
+party can finish a trial between this driver's reading it and its writes: a driver that
+failed it as stale (``fail_stale_trials``: our heartbeat lapsed), or a driver starting on
+the same host that replayed this trial's journal entry (the journal is written before the
+study is told). Whatever the other party stored is kept as it is, and one line is logged:
+
+- finished COMPLETE: that is this very outcome, replayed from the journal; nothing is added.
+- failed, and this outcome is a measurement: the measurement is valid (the trial ran; only
+  its heartbeat lapsed), so it is added to the study as a new trial (user attribute
+  ``replayed_from``), once: a later replay finds that trial and adds nothing.
+- failed, and this outcome is a failure: nothing is added.
+
+erase-tune's row for the trial (``et_trial_outcomes``) is then written only if it has none
+yet; a new trial holding the measurement gets a row of its own.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Any
 
@@ -32,7 +44,12 @@ from erase_tune.measure.confirm import baseline_plan
 from erase_tune.measure.noise import feasible
 from erase_tune.tune.search.study import CONSTRAINTS, Attr, constraint, metric_attrs, objective_values
 
-__all__ = ["Recorder"]
+__all__ = ["Recorder", "REPLAYED_FROM"]
+
+log = logging.getLogger(__name__)
+
+REPLAYED_FROM = "replayed_from"
+"""User attribute of a trial that holds the measurement of trial N, which was failed as stale first."""
 
 
 class Recorder:
@@ -93,16 +110,21 @@ class Recorder:
             assert failure is not None
             attrs.update({Attr.FAILURE_KIND: failure.kind, Attr.FAILURE: failure.reason})
             message = f"trial {number}: FAILED ({failure.kind}): {failure.reason}"
-        self._finish(number, values, attrs)
-        self.storage.store.record_outcome(
-            self.job, number, plan_yaml=plan_key, status="complete" if values is not None else "failed",
-            failure_kind=None if values is not None else failure.kind,
-            failure_reason=None if values is not None else failure.reason,
-            traceback=None if values is not None else failure.traceback, attempts=attempts, node=outcome.worker.node,
-            samples={k: {"steps_s": list(v.steps_s), "window": list(v.window)} for k, v in result.variants.items()}
-            if result is not None else {},
-            provenance=dict(result.provenance) if result is not None else {"pid": outcome.worker.pid},
-        )
+        held = self._finish(number, values, attrs)
+        rows = [number] if held == number or self.storage.store.outcome(self.job, number) is None else []
+        if held is not None and held != number:
+            rows.append(held)  # the new trial holding the measurement gets its samples and provenance too
+        for n in rows:  # a row another party stored for a trial it finished is kept as it is
+            self.storage.store.record_outcome(
+                self.job, n, plan_yaml=plan_key, status="complete" if values is not None else "failed",
+                failure_kind=None if values is not None else failure.kind,
+                failure_reason=None if values is not None else failure.reason,
+                traceback=None if values is not None else failure.traceback, attempts=attempts,
+                node=outcome.worker.node,
+                samples={k: {"steps_s": list(v.steps_s), "window": list(v.window)} for k, v in result.variants.items()}
+                if result is not None else {},
+                provenance=dict(result.provenance) if result is not None else {"pid": outcome.worker.pid},
+            )
         return message
 
     def duplicate(self, trial: optuna.Trial, earlier: FrozenTrial, plan_key: str) -> str:
@@ -123,25 +145,59 @@ class Recorder:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _finish(self, number: int, values: list[float] | None, attrs: dict[str, Any]) -> None:
+    def _finish(self, number: int, values: list[float] | None, attrs: dict[str, Any]) -> int | None:
+        """Finish trial ``number`` with ``values`` (None: failed) and ``attrs``; returns the trial
+        that holds this outcome now: ``number``, or, when another party had finished it first (see
+        the module docstring; also midway through these writes), the new trial holding the
+        measurement, or None (what the other party stored stands alone)."""
         rdb = self.storage.optuna
         tid = self.trial_id(number)
         frozen = rdb.get_trial(tid)
         attrs = {k: v for k, v in attrs.items() if v is not None}
         if frozen.state == TrialState.RUNNING:
-            for key, value in attrs.items():
-                rdb.set_trial_user_attr(tid, key, value)
-            if values is not None:
-                rdb.set_trial_system_attr(tid, CONSTRAINTS, [self._constraint(values[1], attrs)])
-                self.study.tell(number, values)
-            else:
-                self.study.tell(number, state=TrialState.FAIL)
-        elif frozen.state == TrialState.FAIL and values is not None:
-            # Failed as stale while the storage was away: keep the measurement as a new trial.
-            self.study.add_trial(optuna.trial.create_trial(
-                params=frozen.params, distributions=frozen.distributions, values=values,
-                user_attrs={**frozen.user_attrs, **attrs, "replayed_from": number},
-                system_attrs={CONSTRAINTS: [self._constraint(values[1], attrs)]}))
+            try:
+                for key, value in attrs.items():
+                    rdb.set_trial_user_attr(tid, key, value)
+                if values is not None:
+                    rdb.set_trial_system_attr(tid, CONSTRAINTS, [self._constraint(values[1], attrs)])
+                    self.study.tell(number, values)
+                else:
+                    self.study.tell(number, state=TrialState.FAIL)
+                return number
+            except (optuna.exceptions.UpdateFinishedTrialError, ValueError):
+                # ValueError: Optuna's tell() refusing a trial it reads as finished ("Cannot tell a
+                # COMPLETE trial"); anything else leaves the trial RUNNING and is raised.
+                frozen = rdb.get_trial(tid)
+                if not frozen.state.is_finished():
+                    raise
+        return self._finished_elsewhere(number, frozen, values, attrs)
+
+    def _finished_elsewhere(self, number: int, frozen: FrozenTrial, values: list[float] | None,
+                            attrs: dict[str, Any]) -> int | None:
+        state = frozen.state.name
+        if frozen.state != TrialState.FAIL or values is None:
+            log.warning("trial %d was already finished (%s) by another driver; kept as stored", number, state)
+            return None
+        # Failed as stale (its heartbeat lapsed, or the storage was away): the measurement itself
+        # is sound, so the study gets it as a new trial, once.
+        earlier = self._replay_of(number)
+        if earlier is not None:
+            log.warning("trial %d was failed as stale; its measurement is already stored as trial %d",
+                        number, earlier)
+            return earlier
+        self.study.add_trial(optuna.trial.create_trial(
+            params=frozen.params, distributions=frozen.distributions, values=values,
+            user_attrs={**frozen.user_attrs, **attrs, REPLAYED_FROM: number},
+            system_attrs={CONSTRAINTS: [self._constraint(values[1], attrs)]}))
+        added = self._replay_of(number)
+        log.warning("trial %d was failed as stale by another driver before its result came in; "
+                    "its measurement is stored as trial %s", number, added)
+        return added
+
+    def _replay_of(self, number: int) -> int | None:
+        """The trial holding the measurement of trial ``number`` (failed as stale), if any."""
+        return next((t.number for t in self.study.get_trials(deepcopy=False)
+                     if t.user_attrs.get(REPLAYED_FROM) == number), None)
 
     def _constraint(self, ne_gap: float, attrs: dict[str, Any]) -> float:
         return constraint(ne_gap, self.space.max_ne_gap, self.band, exact=bool(attrs.get(Attr.EXACT)))

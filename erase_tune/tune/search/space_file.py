@@ -31,12 +31,14 @@ from erase_tune.tune.search.study import METRIC_NAMES, SAMPLERS
 from erase_tune.workloads.limits import MAX_SEED
 
 __all__ = ["read", "loads", "parse", "SpaceFile", "WorkloadSpec", "CutsSpec", "Candidate", "AuxWeight", "SamplerSpec",
-           "BudgetSpec", "SeedPlan", "SpaceError", "MAX_TRIALS", "MAX_SEED", "MODES", "STREAMS"]
+           "BudgetSpec", "SeedPlan", "SpaceError", "MAX_TRIALS", "MAX_SEED", "MAX_NE_GAP", "MODES", "STREAMS"]
 
 MAX_TRIALS = 100_000
 """numpy's seed range: a larger sampler seed would fail only after the study was written."""
 _TOP = {"workload", "cuts", "objectives", "gain_over", "max_ne_gap", "sampler", "budget", "trials", "seed", "device",
         "seeds", "gpus_per_trial"}
+MAX_NE_GAP = 100.0
+"""Largest NE-gap budget (``max_ne_gap``; export's ``--max-ne-gap`` too): 100 is 10000%."""
 MAX_GPUS_PER_TRIAL = 64
 """Most ranks one data-parallel trial may ask for (all on one node)."""
 _CUTS = {"candidates", "modes", "max_streams", "streams", "dispatch", "graph", "whole_step_graph",
@@ -202,8 +204,8 @@ def parse(data: Any, base: Path) -> SpaceFile:
         raise _Error("gain_over: graph needs CUDA (the graph baseline does not exist on the CPU); use eager")
     gpus_per_trial = _int(data.get("gpus_per_trial", 1), "gpus_per_trial", 1, MAX_GPUS_PER_TRIAL)
     max_ne_gap = _float(data.get("max_ne_gap", 0.02), "max_ne_gap")
-    if not 0 <= max_ne_gap <= 100:
-        raise _Error(f"max_ne_gap: {max_ne_gap} must be between 0 and 100")
+    if not 0 <= max_ne_gap <= MAX_NE_GAP:
+        raise _Error(f"max_ne_gap: {max_ne_gap} must be between 0 and {MAX_NE_GAP:g}")
     sampler = _sampler(data.get("sampler", "front"))
     budget, seed = _budget(_or(data.get("budget"), {}), data.get("seed", 0))
     seeds = _seeds(_or(data.get("seeds"), []))

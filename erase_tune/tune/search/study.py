@@ -251,4 +251,9 @@ def load_study(db: Any, study_name: str | None) -> optuna.Study:
         study_name = names[0]
     if study_name not in names:
         raise EraseTuneError(f"no study named {shown(study_name)} in {db.url} (studies: {', '.join(names) or 'none'})")
-    return optuna.load_study(study_name=study_name, storage=db.optuna)
+    study = optuna.load_study(study_name=study_name, storage=db.optuna)
+    if [d.name.lower() for d in study.directions] != list(DIRECTIONS):  # a study made with Optuna itself
+        got = ", ".join(d.name.lower() for d in study.directions)
+        raise EraseTuneError(f"study {shown(study_name)} is not an erase-tune job: its objectives are ({got}), "
+                             "not (maximize qps_gain, minimize ne_gap)")
+    return study

@@ -32,8 +32,10 @@ from erase_tune.runtime import ErasePlan
 from erase_tune.store import Confirmation, QualityConfirmation, default_storage_url
 from erase_tune.store.storage import Storage, open_storage
 from erase_tune.tune.search.space import SearchSpace
+from erase_tune.tune.search.space_file import MAX_NE_GAP
 from erase_tune.tune.run.confirm import (
     MAX_CONFIRMED,
+    MIN_CONFIRM_WINDOWS,
     PICKS,
     choose,
     confirm_front,
@@ -69,7 +71,14 @@ def export_plan(storage: str | None, study_name: str, out: str | Path, *, max_ne
     """Confirm the front (where not yet confirmed) and write the chosen plan to ``out``."""
     if pick not in PICKS:
         raise EraseTuneError(f"--pick: {pick!r} is not one of {', '.join(PICKS)}")
-    target = _check_output(Path(out), storage)
+    if isinstance(windows, bool) or not isinstance(windows, int) or windows < MIN_CONFIRM_WINDOWS:
+        raise EraseTuneError(f"--repeats: {shown(windows)} must be an integer >= {MIN_CONFIRM_WINDOWS} (an interval "
+                             "needs two windows)")
+    if max_ne_gap is not None and (isinstance(max_ne_gap, bool) or not isinstance(max_ne_gap, (int, float))
+                                   or not 0 <= max_ne_gap <= MAX_NE_GAP):  # also refuses nan
+        raise EraseTuneError(f"--max-ne-gap: {shown(max_ne_gap)} must be between 0 and {MAX_NE_GAP:g} (as a space "
+                             "file's max_ne_gap)")
+    target = _check_output(out, storage)  # as typed: Path() would drop a trailing slash
     db = open_storage(storage if storage is not None else default_storage_url(), must_exist=True)
     try:
         study = load_study(db, study_name)
@@ -203,7 +212,7 @@ def storage_files(url: str | None) -> list[Path]:
     return [db, *(db.with_name(db.name + suffix) for suffix in ("-journal", "-wal", "-shm"))]
 
 
-def _check_output(path: Path, storage: str | None = None) -> Path:
+def _check_output(path: str | Path, storage: str | None = None) -> Path:
     """The plan file's path, checked before the storage is even opened (see :func:`check_output`)."""
     target = check_output(path, flag="-o", protect=storage_files(storage))
     parent = Path(os.path.realpath(target)).parent

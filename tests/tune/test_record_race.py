@@ -1,0 +1,157 @@
+"""Two parties finishing one trial (issue 30): a driver recording a trial's outcome while
+another driver finishes the same trial first, through its own connection to the same storage.
+
+The other party is real and acts at a chosen point between the recording driver's writes (the
+recording driver's own write then runs against a trial that is already finished):
+
+- ``stale``: another driver's ``fail_stale_trials`` fails the trial (its heartbeat lapsed);
+- ``replay``: another driver starting on the same host replays the trial's journal entry
+  (the journal is written before the study is told) with its own :class:`Recorder`.
+
+The recording driver must not raise, the trial's measurement must be stored exactly once, and
+what the other party stored must stay as it stored it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from erase_tune.runtime import Cut, ErasePlan
+from erase_tune.store.storage import Storage, open_storage
+from erase_tune.trial import run_trial
+from erase_tune.tune.execute.outcome import Failure, TrialOutcome, WorkerInfo
+from erase_tune.tune.run.record import REPLAYED_FROM, Recorder
+from erase_tune.tune.search.space import SearchSpace
+from erase_tune.tune.search.study import Attr, metric_attrs, objective_values, open_study
+from erase_tune.workloads import get_workload
+
+SPACE = SearchSpace.load(Path(__file__).resolve().parents[2] / "search_spaces" / "ctr-smoke.yaml")
+PLAN = ErasePlan(cuts=(Cut(module="subarchs.0", stream=1),), num_streams=1)
+NAME = "race"
+
+
+@pytest.fixture(scope="module")
+def measured_outcome() -> TrialOutcome:
+    """A real trial's outcome (the ctr proxy on the CPU, a short budget)."""
+    budget = dataclasses.replace(SPACE.budget, max_windows=SPACE.budget.windows, quality_steps=20)
+    result = run_trial(get_workload(SPACE.workload, SPACE.workload_args), PLAN, budget, device="cpu",
+                       reference_error=None)
+    return TrialOutcome(trial_number=0, result=result, worker=WorkerInfo(node="node-a", pid=1))
+
+
+FAILED = TrialOutcome(trial_number=0, failure=Failure(kind="trial", reason="out of memory"),
+                      worker=WorkerInfo(node="node-a", pid=1))
+
+
+def _open(url: str) -> Storage:
+    return open_storage(url, heartbeat_interval=1, grace_period=1)
+
+
+def _driver(db: Storage) -> Recorder:
+    study = open_study(db.optuna, NAME)
+    job = db.store.create_job(study_name=NAME, space_path="ctr-smoke.yaml", space_yaml=SPACE.text,
+                              workload=SPACE.workload, get_or_create=True)
+    return Recorder(study=study, storage=db, job=job, space=SPACE)
+
+
+def _snapshot(db: Storage, rec: Recorder, number: int):
+    t = db.optuna.rdb.get_trial(rec.trial_id(number))
+    row = db.store.outcome(rec.job, number)
+    return (t.state, t.values, t.user_attrs, t.system_attrs, t.params,
+            None if row is None else dataclasses.asdict(row))
+
+
+@pytest.mark.parametrize(("party", "point", "outcome"), [
+    ("stale", "set_trial_user_attr", "measured"),
+    ("stale", "set_trial_state_values", "measured"),
+    ("stale", "set_trial_user_attr", "failed"),
+    ("replay", "set_trial_user_attr", "measured"),
+    ("replay", "set_trial_system_attr", "measured"),
+    ("replay", "set_trial_state_values", "measured"),
+    ("replay", "set_trial_state_values", "failed"),
+])
+def test_a_trial_finished_by_another_driver_midway_is_recorded_once(storage_url, party, point, outcome,
+                                                                     request, monkeypatch, caplog):
+    out = request.getfixturevalue("measured_outcome") if outcome == "measured" else FAILED
+    db, other_db = _open(storage_url), _open(storage_url)  # two drivers: two engines, two connections
+    try:
+        rec = _driver(db)
+        trial = rec.study.ask()
+        n = trial.number
+        key = PLAN.dumps()
+        trial.set_user_attr(Attr.PLAN_KEY, key)
+        db.optuna.record_heartbeat(rec.trial_id(n))
+        other = _driver(other_db)
+        seen: dict[str, object] = {}
+
+        def other_party_finishes() -> None:
+            if party == "stale":
+                time.sleep(2.5)  # the driver's last heartbeat is older than the grace period now
+                optuna.storages.fail_stale_trials(other.study)
+            else:  # the journal entry this driver wrote, replayed by a driver starting beside it
+                other.record(n, key, out, 1)
+            seen["stored"] = _snapshot(other_db, other, n)
+
+        real = getattr(db.optuna, point)
+
+        def interleaved(*a, **k):
+            if "stored" not in seen:
+                other_party_finishes()
+            return real(*a, **k)
+
+        monkeypatch.setattr(db.optuna, point, interleaved)
+        caplog.set_level(logging.WARNING, logger="erase_tune.tune.run.record")
+        rec.record(n, key, out, 1)  # must not raise UpdateFinishedTrialError
+        assert "stored" in seen, f"the driver never called {point}: the interleaving did not happen"
+        monkeypatch.undo()
+
+        stored = seen["stored"]
+        assert stored[0] == (TrialState.FAIL if party == "stale" or outcome == "failed" else TrialState.COMPLETE)
+        lines = [r.getMessage() for r in caplog.records if r.name == "erase_tune.tune.run.record"]
+        assert len(lines) == 1 and f"trial {n} " in lines[0], lines
+
+        for again in range(2):  # the driver's own journal entry replayed later: still once
+            with _fresh(storage_url) as fresh:
+                fresh_rec = _driver(fresh)
+                assert _snapshot(fresh, fresh_rec, n)[:5] == stored[:5]  # what the other party stored, unchanged
+                if party == "replay":
+                    assert _snapshot(fresh, fresh_rec, n)[5] == stored[5]
+                trials = fresh_rec.study.get_trials()
+                copies = [t for t in trials if t.user_attrs.get(REPLAYED_FROM) == n]
+                if party == "stale" and outcome == "measured":
+                    (copy,) = copies  # the measurement, stored once, as a new trial
+                    assert copy.state == TrialState.COMPLETE
+                    assert copy.values == pytest.approx(
+                        objective_values(metric_attrs(out.result), SPACE.gain_over))
+                    assert copy.user_attrs[Attr.PLAN_KEY] == key
+                    assert len(trials) == 2
+                    row = fresh.store.outcome(fresh_rec.job, copy.number)  # its samples, for status --trial
+                    assert row is not None and row.status == "complete"
+                    assert set(row.samples) == set(out.result.variants)
+                else:
+                    assert copies == [] and len(trials) == 1
+                if again == 0:
+                    fresh_rec.record(n, key, out, 1)
+    finally:
+        db.close()
+        other_db.close()
+
+
+class _fresh:
+    """A third connection to the storage, closed after use."""
+
+    def __init__(self, url: str) -> None:
+        self.db = _open(url)
+
+    def __enter__(self) -> Storage:
+        return self.db
+
+    def __exit__(self, *exc: object) -> None:
+        self.db.close()
