@@ -25,7 +25,7 @@ from optuna.trial import TrialState
 
 from erase_tune.runtime import Cut, ErasePlan
 from erase_tune.store.storage import Storage, open_storage
-from erase_tune.trial import run_trial
+from erase_tune.measure.trial import run_trial
 from erase_tune.tune.execute.outcome import Failure, TrialOutcome, WorkerInfo
 from erase_tune.tune.run.record import REPLAYED_FROM, Recorder
 from erase_tune.tune.search.space import SearchSpace

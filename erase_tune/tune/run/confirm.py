@@ -38,7 +38,7 @@ CONFIRM_MAX_WINDOWS = 40
 """... or until this many windows (a host-bound step needs about 30 for ±2%)."""
 MIN_CONFIRM_WINDOWS = 2
 """Least windows a confirmation may be asked for (``--repeats``): an interval needs two
-(:func:`erase_tune.confirm.confirm_plans` refuses fewer, but only once the trials have run)."""
+(:func:`erase_tune.measure.confirm.confirm_plans` refuses fewer, but only once the trials have run)."""
 PICKS = ("max-gain", "knee")
 
 
