@@ -395,6 +395,28 @@ class ErasePlan:
 
     # -- checks against a model --------------------------------------------------------------
 
+    def under_wrapper(self, model: nn.Module) -> ErasePlan:
+        """This plan with every module name that ``model`` holds only under a wrapper given the
+        wrapper's prefix (DistributedModelParallel's ``_dmp_wrapped_module.``, and its DDP's
+        ``module.`` within, torch.compile's ``_orig_mod.``, FSDP's): a plan tuned on the bare
+        model, loaded onto the wrapped one. A name the model has as it is, or under no one
+        wrapper path, is kept as it is (:meth:`check_model` says what is wrong with it)."""
+        modules = dict(model.named_modules())
+
+        def rename(target: Any) -> Any:
+            name = target.module
+            head, _, last = name.rpartition(".")
+            container = head if ":" in last else name  # a run `blocks.0:2` lives in `blocks`
+            if container in modules:
+                return target
+            prefixes = {n[: -len(container)] for n in modules if n.endswith("." + container)
+                        and set(n[: -len(container) - 1].split(".")) <= _WRAPPER_ATTRS}
+            return dataclasses.replace(target, module=prefixes.pop() + name) if len(prefixes) == 1 else target
+
+        return dataclasses.replace(self, cuts=tuple(rename(c) for c in self.cuts),
+                                   placements=tuple(rename(p) for p in self.placements),
+                                   graphs=tuple(rename(g) for g in self.graphs))
+
     def check_model(self, model: nn.Module) -> None:
         """Raise :class:`PlanError` if a target names a module ``model`` lacks or a malformed run."""
         modules = dict(model.named_modules())

@@ -296,3 +296,30 @@ def test_check_model_covers_graphed():
     model = nn.Sequential(nn.Linear(2, 2))
     with pytest.raises(PlanError, match=r"graphs\[0\]\.module"):
         ErasePlan(graphs=(Graphed(module="nope"),)).check_model(model)
+
+
+def test_a_plan_for_the_bare_model_finds_its_modules_under_a_wrapper():
+    from torch import nn
+
+    class Inner(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.Linear(2, 2) for _ in range(3)])
+            self.head = nn.Linear(2, 1)
+
+    class Wrapper(nn.Module):  # as DDP holds its module, inside DMP's own wrapper
+        def __init__(self) -> None:
+            super().__init__()
+            self._dmp_wrapped_module = nn.Module()
+            self._dmp_wrapped_module.module = Inner()
+            self.extra = nn.Linear(1, 1)
+
+    plan = ErasePlan(cuts=(Cut(module="blocks.0:2"),), placements=(Placement(module="head", stream=1),),
+                     graphs=(Graphed(module="extra"),), num_streams=1)
+    moved = plan.under_wrapper(Wrapper())
+    assert moved.cuts[0].module == "_dmp_wrapped_module.module.blocks.0:2"
+    assert moved.placements[0].module == "_dmp_wrapped_module.module.head"
+    assert moved.graphs[0].module == "extra"  # the wrapper's own module: as it is
+    moved.check_model(Wrapper())
+    unknown = ErasePlan(cuts=(Cut(module="nothere"),))
+    assert unknown.under_wrapper(Wrapper()) == unknown

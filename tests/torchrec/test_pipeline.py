@@ -18,7 +18,8 @@ from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from erase_tune import Cut, EraseEngine, ErasePlan
 from tests.torchrec.models import DLRMTrain, dlrm, dmp, one_rank_group, sgd, train_batch
 
-PLAN = ErasePlan(cuts=(Cut(module="_dmp_wrapped_module.model.dense_arch", aux_weight=0.5),), dispatch="blocking")
+PLAN = ErasePlan(cuts=(Cut(module="model.dense_arch", aux_weight=0.5),), dispatch="blocking")
+"""Named as on the bare DLRMTrain (as a study tuned it); under_wrapper() finds it under DMP."""
 STEPS = 5
 
 
@@ -38,16 +39,19 @@ class ErasePipeline(TrainPipelineSparseDist):
 
 
 def engine_for(model: nn.Module, example) -> EraseEngine:
-    return EraseEngine(model, PLAN, loss_fn=nn.functional.binary_cross_entropy_with_logits, optimizer=sgd,
+    return EraseEngine(model, PLAN.under_wrapper(model), loss_fn=nn.functional.binary_cross_entropy_with_logits, optimizer=sgd,
                        example=((example,), example.labels), output=lambda out: out[1][1],
                        model_loss=lambda out: out[0])
 
 
-def test_engine_inside_train_pipeline_sparse_dist_matches_engine_step():
+@pytest.mark.parametrize("wrap_dense", [False, True], ids=["no DDP", "DMP's DDP wrapper"])
+def test_engine_inside_train_pipeline_sparse_dist_matches_engine_step(wrap_dense):
     batches = [train_batch(size=16, seed=s) for s in range(STEPS)]
     with one_rank_group():
-        stepped = dmp(DLRMTrain(dlrm(device="meta")), wrap_dense=False)
-        piped = dmp(DLRMTrain(dlrm(device="meta")), wrap_dense=False)
+        stepped = dmp(DLRMTrain(dlrm(device="meta")), wrap_dense=wrap_dense)
+        piped = dmp(DLRMTrain(dlrm(device="meta")), wrap_dense=wrap_dense)
+        inner = "_dmp_wrapped_module.module." if wrap_dense else "_dmp_wrapped_module."
+        assert PLAN.under_wrapper(piped).cuts[0].module == inner + "model.dense_arch"
         for (n, a), b in zip(stepped.named_parameters(), piped.parameters()):
             assert torch.equal(a, b), n  # the same model twice
 
