@@ -69,7 +69,8 @@ def test_a_process_group_beside_the_wrapper_is_one_line():
 def test_at_two_ranks_the_engine_averages_what_ddp_would_have(tmp_path):
     """Two gloo ranks, tables sharded over them, each rank on its own batches: under a placement
     (no gradient changed) the engine's training equals DMP's own to float32 rounding; under a
-    blocking cut the dense tower trains and stays the same on both ranks (it was averaged)."""
+    blocking cut it equals, bit for bit, the cut on DMP without its wrapper with the gradients
+    averaged by hand, and the dense tower trains and stays the same on both ranks."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     procs = [subprocess.Popen([sys.executable, "-m", "tests.torchrec.dmp_worker", str(r), "2", str(tmp_path / "init"),
                                str(tmp_path)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -85,6 +86,10 @@ def test_at_two_ranks_the_engine_averages_what_ddp_would_have(tmp_path):
             torch.testing.assert_close(res["placement"][name], value, rtol=1e-5, atol=1e-6, msg=name)
     dense = [n for n in ranks[0]["cut"] if n.startswith("dense_arch.")]
     assert dense
+    for res in ranks:  # the cut, exactly as its gradients averaged by hand train it
+        assert res["cut"].keys() == res["cut_reference"].keys()
+        for name, value in res["cut_reference"].items():
+            assert torch.equal(res["cut"][name], value), name
     for name in dense:
         assert torch.equal(ranks[0]["cut"][name], ranks[1]["cut"][name]), name  # averaged: one dense tower
         assert not torch.equal(ranks[0]["cut"][name], ranks[0]["init"][name]), name  # and it trained
