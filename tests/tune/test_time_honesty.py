@@ -94,9 +94,10 @@ def test_a_space_that_can_cut_measures_its_noise_floor_only_when_a_cut_runs(ray_
 
 def test_the_time_budget_ends_the_job_on_time_and_keeps_what_was_measured(ray_cluster, tmp_path, capsys):
     url = f"sqlite:///{tmp_path / 'budget.db'}"
-    # Far more trials than fit, whatever the machine's speed: windows of 50 steps keep a trial
-    # near a second even on a fast machine, and the space holds over a thousand plans.
-    space = _space(tmp_path, EXACT_ONLY, window_steps=50)
+    # Far more trials than fit, whatever the machine's speed: four windows of 25 steps (no more:
+    # the estimate of a trial stays far under the budget, so trials start) keep a trial near a
+    # second even on a fast machine, and the space holds over a thousand plans.
+    space = _space(tmp_path, EXACT_ONLY, window_steps=25, max_windows=4)
     started = time.monotonic()
     assert run_cli("start", "--space", space, "--study", "budget", "--trials", "500", "--slots", "1",
                    "--storage", url, "--time-budget", "45s") == 0
