@@ -447,8 +447,7 @@ def _time_rows(workload: Workload, plans: Mapping[str, ErasePlan | None], init: 
                              else Variant(plan=plan, engine=build_engine(workload, plan, init, data, device), data=data))
         over = (EAGER, GRAPH) if GRAPH in runners else (EAGER,)
         pairs = {name: tuple(o for o in over if o != name) for name in runners}
-        measured = measure_gains(runners, device=device, warmup_steps=budget.warmup_steps,
-                                 window_steps=budget.window_steps, rule=budget.stop_rule(),
+        measured = measure_gains(runners, device=device, steps=budget.steps(), rule=budget.stop_rule(),
                                  pairs={name: refs for name, refs in pairs.items() if refs})
         host = {n: runners[n] for n in HOST_ROWS if n in runners}
         cpu = host_cpu_interleaved(host, device=device, warmup_steps=1,

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from erase_tune.errors import EraseTuneError
-from erase_tune.measure import ProtocolResult, StopRule, measure_gains, provenance
+from erase_tune.measure import ProtocolHooks, ProtocolResult, StopRule, measure_gains, provenance
 from erase_tune.measure.protocol import STOPS
 from erase_tune.runtime import ErasePlan
 from erase_tune.runtime.device import resolve_device
@@ -162,9 +162,9 @@ def _time_plans(workload: Workload, timed: Mapping[str, ErasePlan], init: torch.
             variants[name] = Variant(plan=p, engine=build_engine(workload, p, init, data, device, process_group),
                                      data=data, rank=rank, world=world)
         return measure_gains(
-            variants, device=device, warmup_steps=budget.warmup_steps, window_steps=budget.window_steps,
-            rule=rule, pairs={name: "baseline" for name in timed if name != "baseline"},
-            agree=agree_with_rank0(device, process_group) if process_group is not None else None,
+            variants, device=device, steps=budget.steps(), rule=rule,
+            pairs={name: "baseline" for name in timed if name != "baseline"},
+            hooks=ProtocolHooks(agree=agree_with_rank0(device, process_group) if process_group is not None else None),
         )
     finally:
         release(variants.values(), device)

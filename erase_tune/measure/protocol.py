@@ -46,13 +46,14 @@ from erase_tune.measure.stats import t_interval
 from erase_tune.measure.timing import (
     InterleavedTimings,
     StepRunner,
+    Steps,
     Timings,
     WindowMeasure,
     interleave,
     window_measure,
 )
 
-__all__ = ["STOPS", "StopRule", "GainEstimate", "ProtocolResult", "measure_gains", "window_gain", "estimate"]
+__all__ = ["STOPS", "StopRule", "GainEstimate", "ProtocolResult", "ProtocolHooks", "Steps", "measure_gains", "window_gain", "estimate"]
 
 STOPS = ("narrow", "behind", "cap")
 """Why a plan stopped being measured: its interval was narrow enough, it was behind the bound
@@ -87,6 +88,18 @@ class StopRule:
             raise EraseTuneError(f"stop_rule.halfwidth: {self.halfwidth!r} must be a number in (0, 1)")
         if self.below is not None and not _number(self.below):
             raise EraseTuneError(f"stop_rule.below: {self.below!r} must be a finite number or None")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProtocolHooks:
+    """What a caller plugs into :func:`measure_gains` (each optional)."""
+
+    window: WindowMeasure | None = None
+    """Replaces the device clock (a seeded fake window drives the protocol on the CPU in tests)."""
+    after_warmup: Callable[[], None] | None = None
+    """Called once after the warm-up and its device sync, before the first timed window."""
+    agree: Agree | None = None
+    """Maps each round's gains to the ones acted on (data parallel: rank 0's, broadcast)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -167,30 +180,29 @@ def measure_gains(
     runners: Mapping[str, StepRunner],
     *,
     device: torch.device | str,
-    warmup_steps: int,
-    window_steps: int,
+    steps: Steps,
     rule: StopRule,
     pairs: Mapping[str, str | Sequence[str]],
-    window: WindowMeasure | None = None,
-    after_warmup: Callable[[], None] | None = None,
-    start_step: int = 0,
     deciding: Collection[str] | None = None,
-    agree: Agree | None = None,
+    hooks: ProtocolHooks = ProtocolHooks(),
 ) -> ProtocolResult:
     """Time ``runners`` interleaved until every plan's gain is known well enough; see the module
     docstring.
 
+    ``steps``: the warm-up steps per runner, the steps per window and the first step index.
     ``pairs``: plan -> the runner it is compared with, or several (the first is the primary
     reference, whose interval the stop rule reads; e.g. ``{"candidate": ("baseline",
     "reference"), "detach_only": "baseline"}``). A runner may be a plan and a reference at once;
     every runner must be one of them. ``deciding``: the plans the stop rule applies to (default:
     every plan); the other plans are measured while any deciding plan is, and stop with the
     reason of the deciding plan whose stop ended them (the first in ``deciding`` order among
-    those that stopped last). ``after_warmup``: called once after the warm-up and its device
-    sync, before the first timed window. ``agree``: maps each round's gains (every measured
+    those that stopped last). ``hooks.after_warmup``: called once after the warm-up and its device
+    sync, before the first timed window. ``hooks.agree``: maps each round's gains (every measured
     pair, sorted by plan then reference) to the ones acted on (data parallel: a broadcast from
-    rank 0, so every rank stops the same runners).
+    rank 0, so every rank stops the same runners). ``hooks.window``: replaces the device clock.
     """
+    warmup_steps, window_steps, start_step = steps.warmup_steps, steps.window_steps, steps.start_step
+    window, after_warmup, agree = hooks.window, hooks.after_warmup, hooks.agree
     if not runners:
         raise ValueError("runners: need at least one runner to time")
     for name, value in (("warmup_steps", warmup_steps), ("window_steps", window_steps), ("start_step", start_step)):
@@ -199,8 +211,7 @@ def measure_gains(
     race = _Race(runners, _pairs(runners, pairs), deciding, rule, agree)
     device = torch.device(device)
     clock = window if window is not None else window_measure(device)
-    samples, labels = interleave(runners, clock, device=device, warmup_steps=warmup_steps,
-                                 windows=rule.max_windows, window_steps=window_steps, start_step=start_step,
+    samples, labels = interleave(runners, clock, device=device, steps=steps, windows=rule.max_windows,
                                  after_warmup=after_warmup, after_round=race.after_round)
     next_steps = {n: start_step + warmup_steps + race.rounds_run[n] * window_steps for n in runners}
     most = max(next_steps.values()) - start_step

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from erase_tune.errors import CaptureError, EraseTuneError, one_line, shown
-from erase_tune.measure import GainEstimate, ProtocolResult, StopRule, measure_gains, provenance, qps_summary
+from erase_tune.measure import GainEstimate, ProtocolHooks, ProtocolResult, Steps, StopRule, measure_gains, provenance, qps_summary
 from erase_tune.measure.rng import SeededRandom, global_state, set_global_state
 from erase_tune.measure.stats import gain
 from erase_tune.runtime import EraseEngine, ErasePlan
@@ -172,6 +172,10 @@ class Budget:
     def min_training_steps(self) -> int:
         """Steps every timed variant trains at least: warm-up + ``windows`` × ``window_steps``."""
         return self.warmup_steps + self.windows * self.window_steps
+
+    def steps(self) -> Steps:
+        """The protocol's warm-up and window steps for this budget."""
+        return Steps(warmup_steps=self.warmup_steps, window_steps=self.window_steps)
 
     def stop_rule(self, below: float | None = None) -> StopRule:
         """The protocol's stop rule for this budget (``below``: the racing bound, if any)."""
@@ -420,9 +424,10 @@ def _time_variants(variants: Mapping[str, Variant], budget: Budget, device: torc
     """The variants timed by the one protocol until the candidate's gain is known well enough
     (every rank acting on rank 0's gains), then checked for a finite training loss."""
     measured = measure_gains(
-        variants, device=device, warmup_steps=budget.warmup_steps, window_steps=budget.window_steps,
-        rule=budget.stop_rule(below=stop_below), pairs=pairs, deciding=("candidate",), after_warmup=after_warmup,
-        agree=agree_with_rank0(device, process_group) if process_group is not None else None,
+        variants, device=device, steps=budget.steps(), rule=budget.stop_rule(below=stop_below), pairs=pairs,
+        deciding=("candidate",),
+        hooks=ProtocolHooks(after_warmup=after_warmup,
+                            agree=agree_with_rank0(device, process_group) if process_group is not None else None),
     )
     for name, v in variants.items():
         _check_finite(name, v, process_group)
