@@ -157,7 +157,7 @@ def run_confirm(spec: ConfirmSpec, info: Callable[[], dict[str, Any]] = dict,
 def _quality_or_noise(spec: ConfirmSpec, workload: Any, plans: Mapping[str, Any], process_group: Any) -> Any:
     """The ``quality`` and ``noise`` tasks of a :class:`ConfirmSpec` (erase_tune.measure.noise)."""
     from erase_tune.errors import EraseTuneError
-    from erase_tune.measure.noise import confirm_quality, measure_noise_floor
+    from erase_tune.measure.noise import QualitySettings, confirm_quality, measure_noise_floor
     from erase_tune.measure.trial import Budget
 
     budget = Budget(**spec.budget)
@@ -167,8 +167,9 @@ def _quality_or_noise(spec: ConfirmSpec, workload: Any, plans: Mapping[str, Any]
         return measure_noise_floor(workload, budget, repeats=budget.noise_repeats, device=spec.device,
                                    graph=None if budget.reference else False, process_group=process_group)
     if spec.task == "quality":
-        return confirm_quality(workload, plans, budget=budget, scale=budget.quality_scale, seeds=budget.quality_seeds,
-                               band=spec.band, device=spec.device, process_group=process_group, exact=spec.exact)
+        settings = QualitySettings(scale=budget.quality_scale, seeds=budget.quality_seeds, band=spec.band)
+        return confirm_quality(workload, plans, budget=budget, settings=settings, device=spec.device,
+                               process_group=process_group, exact=spec.exact)
     raise EraseTuneError(f"confirmation task {spec.task!r} is not one of {', '.join(CONFIRM_TASKS)}")
 
 
