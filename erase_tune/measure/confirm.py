@@ -46,7 +46,7 @@ from erase_tune.measure.trial import (
 )
 from erase_tune.workloads import Workload, WorkloadData
 
-__all__ = ["GAIN_OVER", "PlanConfirmation", "ConfirmResult", "baseline_plan", "confirm_plans"]
+__all__ = ["GAIN_OVER", "ConfirmWindows", "PlanConfirmation", "ConfirmResult", "baseline_plan", "confirm_plans"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -98,24 +98,34 @@ def baseline_plan(gain_over: str) -> ErasePlan:
     return ErasePlan(whole_step_graph=gain_over == "graph")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ConfirmWindows:
+    """How long a confirmation times (checked by :func:`confirm_plans`): at least ``windows``
+    windows (``--repeats``), then each plan until its gain's 95% interval is at most
+    ``±halfwidth``, at most ``max_windows``."""
+
+    windows: int
+    max_windows: int = 40
+    halfwidth: float = 0.02
+
+
 def confirm_plans(
     workload: Workload,
     plans: Mapping[str, ErasePlan],
     *,
     budget: Budget,
-    windows: int,
-    max_windows: int = 40,
-    halfwidth: float = 0.02,
+    timing: ConfirmWindows,
     gain_over: str = "eager",
     device: str | torch.device | None = None,
     process_group: Any = None,
 ) -> ConfirmResult:
     """Time every plan in ``plans`` against the ``gain_over`` baseline in one process,
     interleaved, in windows of ``budget.window_steps`` steps after ``budget.warmup_steps``
-    warm-up steps each: at least ``windows`` windows, then each plan until its gain's 95%
-    interval is at most ``±halfwidth``, at most ``max_windows``. ``process_group``: as one rank
-    of a data-parallel trial (see :func:`erase_tune.measure.trial.run_trial`; every rank acts on rank 0's
-    window gains)."""
+    warm-up steps each: at least ``timing.windows`` windows, then each plan until its gain's 95%
+    interval is at most ``±timing.halfwidth``, at most ``timing.max_windows``. ``process_group``:
+    as one rank of a data-parallel trial (see :func:`erase_tune.measure.trial.run_trial`; every
+    rank acts on rank 0's window gains)."""
+    windows, max_windows, halfwidth = timing.windows, timing.max_windows, timing.halfwidth
     rule = _confirm_rule(windows, max_windows, halfwidth)
     device = resolve_device(device)
     base = baseline_plan(gain_over)

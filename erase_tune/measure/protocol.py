@@ -53,7 +53,8 @@ from erase_tune.measure.timing import (
     window_measure,
 )
 
-__all__ = ["STOPS", "StopRule", "GainEstimate", "ProtocolResult", "ProtocolHooks", "Steps", "measure_gains", "window_gain", "estimate"]
+__all__ = ["STOPS", "StopRule", "GainEstimate", "ProtocolResult", "ProtocolHooks", "Steps", "measure_gains",
+           "window_gain", "estimate"]
 
 STOPS = ("narrow", "behind", "cap")
 """Why a plan stopped being measured: its interval was narrow enough, it was behind the bound

@@ -49,7 +49,16 @@ from typing import Any
 import torch
 
 from erase_tune.errors import CaptureError, EraseTuneError, one_line, shown
-from erase_tune.measure import GainEstimate, ProtocolHooks, ProtocolResult, Steps, StopRule, measure_gains, provenance, qps_summary
+from erase_tune.measure import (
+    GainEstimate,
+    ProtocolHooks,
+    ProtocolResult,
+    Steps,
+    StopRule,
+    measure_gains,
+    provenance,
+    qps_summary,
+)
 from erase_tune.measure.rng import SeededRandom, global_state, set_global_state
 from erase_tune.measure.stats import gain
 from erase_tune.runtime import EraseEngine, ErasePlan
@@ -58,7 +67,8 @@ from erase_tune.runtime.losscheck import check_loss
 from erase_tune.workloads import Workload, WorkloadData
 from erase_tune.workloads.limits import MAX_SEED
 
-__all__ = ["Budget", "VariantResult", "TrialResult", "TrialFailed", "run_trial", "build_engine", "Variant", "jsonable_args",
+__all__ = ["Budget", "Ranking", "VariantResult", "TrialResult", "TrialFailed", "run_trial", "build_engine", "Variant",
+           "jsonable_args",
            "release", "reference_capture_error", "capture_error", "UNKNOWN", "BASELINE"]
 __all__ += ["check_workload_loss", "MAX_REPEATS", "GAIN_OVER", "exact_by_construction", "gradient_difference",
             "agree_with_rank0", "EXACT_RTOL", "prepare"]
@@ -181,6 +191,17 @@ class Budget:
         """The protocol's stop rule for this budget (``below``: the racing bound, if any)."""
         return StopRule(min_windows=self.windows, max_windows=self.max_windows, halfwidth=self.halfwidth,
                         below=below)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Ranking:
+    """Which gain a trial stops timing on and reports as ``TrialResult.gain``, and its race bound
+    (both checked by :func:`run_trial`)."""
+
+    gain_over: str = "eager"
+    """``eager`` (over the baseline) or ``graph`` (over the whole-step-graph reference, which must run)."""
+    stop_below: float | None = None
+    """The racing bound: timing stops once the gain's upper bound is below it (None: no race)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -356,8 +377,7 @@ def run_trial(
     baseline_ne: float | None = None,
     process_group: Any = None,
     reference_error: str | None | _Unknown = UNKNOWN,
-    gain_over: str = "eager",
-    stop_below: float | None = None,
+    ranking: Ranking = Ranking(),
 ) -> TrialResult:
     """Measure ``plan`` on ``workload`` against the baseline; see the module docstring.
 
@@ -368,12 +388,14 @@ def run_trial(
     with the same arguments. ``reference_error``: what :func:`reference_capture_error` said for
     this workload and device (the service tries it once per job): None, the reference runs; a
     reason, it is left out and the reason recorded. Left :data:`UNKNOWN`, the trial tries the
-    capture itself first (only when ``budget.reference`` and on CUDA). ``gain_over``: which
-    gain's interval decides when timing stops, and which one ``TrialResult.gain`` is: ``eager``
-    (over the baseline) or ``graph`` (over the whole-step-graph reference, which must run).
-    ``stop_below``: the racing bound: timing stops once the gain's upper bound is below it.
+    capture itself first (only when ``budget.reference`` and on CUDA). ``ranking.gain_over``:
+    which gain's interval decides when timing stops, and which one ``TrialResult.gain`` is:
+    ``eager`` (over the baseline) or ``graph`` (over the whole-step-graph reference, which must
+    run). ``ranking.stop_below``: the racing bound: timing stops once the gain's upper bound is
+    below it.
     """
     started = time.perf_counter()
+    gain_over, stop_below = ranking.gain_over, ranking.stop_below
     device = resolve_device(device)
     with_reference = _check_trial_options(budget, device, gain_over, stop_below)
     ref_error = _reference_error(workload, budget, device, with_reference, reference_error, gain_over)
