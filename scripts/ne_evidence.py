@@ -44,7 +44,13 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import optuna  # noqa: E402
 import yaml  # noqa: E402
 
-from erase_tune.measure.noise import confirm_quality, exact_by_construction, feasible, measure_noise_floor  # noqa: E402
+from erase_tune.measure.noise import (  # noqa: E402
+    QualitySettings,
+    confirm_quality,
+    exact_by_construction,
+    feasible,
+    measure_noise_floor,
+)
 from erase_tune.measure.trial import Budget  # noqa: E402
 from erase_tune.tune.search.space import SearchSpace  # noqa: E402
 from erase_tune.workloads import BUILTINS, get_workload  # noqa: E402
@@ -122,7 +128,8 @@ def rank_agreement(ns: argparse.Namespace, record: dict[str, Any], out: Path, st
     if time.monotonic() - started > ns.time_limit:
         record["rank"] = {"skipped": "time limit"}
         return
-    short = confirm_quality(workload, plans, budget=budget, scale=1, seeds=1, band=band, device=ns.device)
+    short = confirm_quality(workload, plans, budget=budget, settings=QualitySettings(scale=1, seeds=1, band=band),
+                            device=ns.device)
     for name, p in plans.items():
         rows[name] = {"plan": p.describe(), "exact": exact_by_construction(p), "search_ne_gap": short.plans[name].ne_gap}
     record["rank"] = {"space": ns.rank_space, "max_ne_gap": space.max_ne_gap, "band": band, "plans": rows,
@@ -145,8 +152,8 @@ def rank_agreement(ns: argparse.Namespace, record: dict[str, Any], out: Path, st
     if (scale, seeds) != (ns.scale, ns.seeds):
         print(f"rank agreement: confirming at scale {scale} over {seeds} orders to fit the time left", flush=True)
     ns.scale, ns.seeds = scale, seeds
-    long = confirm_quality(workload, plans, budget=budget, scale=ns.scale, seeds=ns.seeds, band=band,
-                           device=ns.device)
+    long = confirm_quality(workload, plans, budget=budget,
+                           settings=QualitySettings(scale=ns.scale, seeds=ns.seeds, band=band), device=ns.device)
     for name, c in long.plans.items():
         rows[name].update({"confirmed_ne_gap": c.ne_gap, "lo": c.lo, "hi": c.hi, "per_seed": list(c.per_seed)})
     cut = [n for n in rows if not rows[n]["exact"]]

@@ -12,6 +12,8 @@ from erase_tune import Cut, ErasePlan
 from erase_tune.errors import EraseTuneError
 from erase_tune.measure.noise import (
     NoiseFloor,
+    QualitySettings,
+    TrainStart,
     confirm_quality,
     exact_by_construction,
     feasible,
@@ -41,8 +43,8 @@ def test_the_noise_floor_is_measured_finite_and_from_real_perturbations(workload
     # ... and the reference is the trial's own baseline training (same steps, same order).
     data = workload.make_data(CPU)
     torch.manual_seed(BUDGET.seed)
-    again = train_ne(workload, ErasePlan(), workload.build_model(), data, CPU, BUDGET.training_steps,
-                     random_seed=BUDGET.seed)
+    again = train_ne(TrainStart(workload=workload, init=workload.build_model(), data=data, device=CPU),
+                     ErasePlan(), BUDGET.training_steps, random_seed=BUDGET.seed)
     assert again == floor.ne_reference
     assert floor.training_steps == BUDGET.training_steps and floor.provenance["repeats"] == 2
     assert NoiseFloor.from_dict(floor.to_dict()) == floor
@@ -62,7 +64,7 @@ def test_refusals_are_one_line(workload):
     with pytest.raises(EraseTuneError, match="noise repeats: 0 must be"):
         measure_noise_floor(workload, BUDGET, repeats=0, device="cpu")
     with pytest.raises(EraseTuneError, match="quality seeds"):
-        confirm_quality(workload, {}, budget=BUDGET, seeds=0, device="cpu")
+        confirm_quality(workload, {}, budget=BUDGET, settings=QualitySettings(seeds=0), device="cpu")
 
 
 def test_a_plan_with_no_cuts_is_never_infeasible_for_its_ne_gap(workload):
@@ -81,7 +83,8 @@ def test_a_plan_with_no_cuts_is_never_infeasible_for_its_ne_gap(workload):
 def test_quality_confirmation_trains_longer_over_seeds(workload):
     plans = {"cut": ErasePlan(cuts=(Cut(module="blocks.1.mlp", aux_weight=1.0),)), "exact": ErasePlan(
         placements=(Placement(module="blocks.0", stream=1),), num_streams=1)}
-    res = confirm_quality(workload, plans, budget=BUDGET, scale=2, seeds=2, band=0.01, device="cpu")
+    res = confirm_quality(workload, plans, budget=BUDGET, settings=QualitySettings(scale=2, seeds=2, band=0.01),
+                          device="cpu")
     assert res.steps == 2 * BUDGET.training_steps and len(res.ne_baseline) == 2
     assert res.ne_baseline[0] != res.ne_baseline[1]  # another seed is another data order
     cut = res.plans["cut"]

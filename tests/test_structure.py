@@ -1,6 +1,8 @@
 """The package's shape, kept: no import circles among erase_tune's modules (lazy imports inside
-functions count), the engine module stays small, and the library (runtime, measure, workloads)
-imports nothing of the service or its dependencies.
+functions count), the engine module stays small, the library (runtime, measure, workloads)
+imports nothing of the service or its dependencies, and the functions over 60 lines or with more
+than 8 parameters stay as few as issue 28 left them (the workload factories, whose keyword
+arguments are the user's ``--arg key=value``, are marked exceptions).
 
 Run as a script (``python tests/test_structure.py``) it prints every import circle it finds.
 
@@ -24,6 +26,19 @@ PACKAGE = ROOT / "erase_tune"
 LIBRARY = ("erase_tune.runtime", "erase_tune.measure", "erase_tune.workloads")
 NOT_IN_LIBRARY = ("optuna", "ray", "sqlalchemy", "alembic", "erase_tune.tune", "erase_tune.store", "erase_tune.cli")
 ENGINE_LINES = 400
+LONG_LINES = 60
+"""A function longer than this (``end_lineno - lineno + 1``, docstring and decorators' lines
+below the ``def`` included) is long."""
+WIDE_PARAMETERS = 8
+"""A function with more parameters than this (positional-only, positional and keyword-only;
+``self``/``cls``, ``*args`` and ``**kwargs`` not counted) is wide."""
+MAX_LONG = 1
+"""Long functions allowed, at most (issue 28): erase_tune/tune/views/export.py's export_plan."""
+MAX_WIDE = 6
+"""Wide functions allowed besides the workload factories, at most (issue 28): the store's
+record_quality, record_outcome and record_confirmation, estimate's job_phases, export_plan and
+EraseEngine.__init__ (the runtime's public keyword API, marked ``# wide:``)."""
+FACTORY_MARK = "# wide: the workload's user-facing arguments (--arg key=value)"
 
 
 def module_files() -> dict[str, Path]:
@@ -198,6 +213,56 @@ def test_the_library_imports_nothing_of_the_service():
             if any(target == banned or target.startswith(banned + ".") for banned in NOT_IN_LIBRARY):
                 bad.append(f"{path.relative_to(ROOT)}:{line} imports {target}")
     assert not bad, "the library (runtime, measure, workloads) must not import the service:\n" + "\n".join(sorted(set(bad)))
+
+
+def functions() -> Iterator[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef, list[str]]]:
+    """Every function and method of erase_tune: (``path:line name``, its node, its file's lines)."""
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        lines = text.splitlines()
+        for node in ast.walk(ast.parse(text, str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield f"{path.relative_to(ROOT)}:{node.lineno} {node.name}", node, lines
+
+
+def length(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    return node.end_lineno - node.lineno + 1
+
+
+def width(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    a = node.args
+    return sum(x.arg not in ("self", "cls") for x in (*a.posonlyargs, *a.args, *a.kwonlyargs))
+
+
+def is_workload_factory(where: str, node: ast.FunctionDef | ast.AsyncFunctionDef, lines: list[str]) -> bool:
+    """A workload's factory (``workload(...)`` in erase_tune/workloads/), marked as the justified
+    exception it is: its keyword arguments are the user's ``--arg key=value``."""
+    first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+    return (where.startswith("erase_tune/workloads/") and node.name == "workload" and first >= 2
+            and lines[first - 2].strip() == FACTORY_MARK)
+
+
+def test_long_functions_do_not_grow_back():
+    long = [f"{where} ({length(node)} lines)" for where, node, _ in functions() if length(node) > LONG_LINES]
+    assert len(long) <= MAX_LONG, (f"{len(long)} functions are over {LONG_LINES} lines (at most {MAX_LONG}): split "
+                                   "the new one into well-named steps\n" + "\n".join(long))
+
+
+def test_wide_functions_do_not_grow_back():
+    wide = [f"{where} ({width(node)} parameters)" for where, node, lines in functions()
+            if width(node) > WIDE_PARAMETERS and not is_workload_factory(where, node, lines)]
+    assert len(wide) <= MAX_WIDE, (f"{len(wide)} functions take more than {WIDE_PARAMETERS} parameters (at most "
+                                   f"{MAX_WIDE}): group arguments that travel together into a small frozen "
+                                   "dataclass\n" + "\n".join(wide))
+
+
+def test_the_workload_factories_are_marked_and_the_measures_count_what_they_say():
+    factories = [where for where, node, lines in functions() if is_workload_factory(where, node, lines)]
+    assert len(factories) >= 5, factories  # ctr, dlrm, gpt, deepfm, mlp
+    tree = ast.parse("def f(a, /, b, *args, c, d=1, **kw):\n    pass\n\n\nclass C:\n    def m(self, x):\n"
+                     "        return x\n")
+    f, m = tree.body[0], tree.body[1].body[0]
+    assert (width(f), length(f), width(m), length(m)) == (4, 2, 1, 2)
 
 
 if __name__ == "__main__":

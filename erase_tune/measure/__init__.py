@@ -22,7 +22,7 @@ from erase_tune.measure.overlap import (
     overlap_report,
     profile_steps,
 )
-from erase_tune.measure.protocol import GainEstimate, ProtocolResult, StopRule, measure_gains
+from erase_tune.measure.protocol import GainEstimate, ProtocolHooks, ProtocolResult, Steps, StopRule, measure_gains
 from erase_tune.measure.provenance import provenance
 from erase_tune.measure.stats import (
     QpsSummary,
@@ -47,6 +47,8 @@ __all__ = [
     "KernelInterval",
     "OverlapReport",
     "ProtocolResult",
+    "ProtocolHooks",
+    "Steps",
     "QpsSummary",
     "RatioSpread",
     "StepRunner",

@@ -313,6 +313,27 @@ def run_bench(
     init = workload.build_model()
     rows = _choose_rows(workload, init, data, device, cuts=cuts, streams=streams, seed=budget.seed,
                         whole_step=graph_error is None)
+    plans = _only(rows, only)
+    measured, cpu, overlap = _time_rows(workload, plans, init, data, device, budget, trace_dir)
+    timings = measured.timings
+    return BenchResult(
+        workload=workload.name,
+        batch_size=workload.batch_size,
+        rows=_bench_rows(measured, plans, workload.batch_size, cpu, overlap),
+        samples={k: v.to_dict() for k, v in timings.variants.items()},
+        provenance=provenance(device, workload=workload.name,
+                              workload_args=jsonable_args(workload.args),
+                              budget=dataclasses.asdict(budget), cuts=rows.cuts, streams=streams),
+        graph_error=graph_error,
+        host_cpu=cpu.how if cpu is not None else None,
+        skipped=tuple(rows.skipped.items()),
+        left_out=tuple(rows.left_out.items()),
+    )
+
+
+def _only(rows: _Rows, only: Sequence[str] | None) -> dict[str, ErasePlan | None]:
+    """The rows to time: ``--only``'s (each checked to be a row) and the eager and graph rows they
+    are compared with; every row without ``--only``."""
     plans = rows.plans
     if only:
         known = [*rows.plans, *rows.skipped]
@@ -322,12 +343,18 @@ def run_bench(
         plans = {n: p for n, p in plans.items() if n in only or n in (EAGER, GRAPH)}
     if len(plans) == 1:
         raise EraseTuneError(f"bench: --only must name a variant besides the {EAGER}, to compare with it")
-    measured, cpu, overlap = _time_rows(workload, plans, init, data, device, budget, trace_dir)
+    return plans
+
+
+def _bench_rows(measured: ProtocolResult, plans: Mapping[str, ErasePlan | None], batch: int,
+                cpu: Any, overlap: Mapping[str, float]) -> tuple[BenchRow, ...]:
+    """One :class:`BenchRow` per timed row: its QPS, its gains over eager and graph, its overlap
+    and, where measured, its host CPU time."""
     timings = measured.timings
     plain = timings.variants.get(PLAIN)
     out = []
     for name, t in timings.variants.items():
-        s = qps_summary(t.steps_s, workload.batch_size)
+        s = qps_summary(t.steps_s, batch)
         plan = plans[name]
         out.append(BenchRow(
             name=name,
@@ -341,19 +368,7 @@ def run_bench(
             host_cpu_us=cpu.median_us(name) if cpu is not None and name in cpu.per_window else None,
             host_tax_us=host_tax(cpu, name, PLAIN) if cpu is not None and name in cpu.per_window else None,
         ))
-    return BenchResult(
-        workload=workload.name,
-        batch_size=workload.batch_size,
-        rows=tuple(out),
-        samples={k: v.to_dict() for k, v in timings.variants.items()},
-        provenance=provenance(device, workload=workload.name,
-                              workload_args=jsonable_args(workload.args),
-                              budget=dataclasses.asdict(budget), cuts=rows.cuts, streams=streams),
-        graph_error=graph_error,
-        host_cpu=cpu.how if cpu is not None else None,
-        skipped=tuple(rows.skipped.items()),
-        left_out=tuple(rows.left_out.items()),
-    )
+    return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -432,8 +447,7 @@ def _time_rows(workload: Workload, plans: Mapping[str, ErasePlan | None], init: 
                              else Variant(plan=plan, engine=build_engine(workload, plan, init, data, device), data=data))
         over = (EAGER, GRAPH) if GRAPH in runners else (EAGER,)
         pairs = {name: tuple(o for o in over if o != name) for name in runners}
-        measured = measure_gains(runners, device=device, warmup_steps=budget.warmup_steps,
-                                 window_steps=budget.window_steps, rule=budget.stop_rule(),
+        measured = measure_gains(runners, device=device, steps=budget.steps(), rule=budget.stop_rule(),
                                  pairs={name: refs for name, refs in pairs.items() if refs})
         host = {n: runners[n] for n in HOST_ROWS if n in runners}
         cpu = host_cpu_interleaved(host, device=device, warmup_steps=1,

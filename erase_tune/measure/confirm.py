@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
 
 from erase_tune.errors import EraseTuneError
-from erase_tune.measure import StopRule, measure_gains, provenance
+from erase_tune.measure import ProtocolHooks, ProtocolResult, StopRule, measure_gains, provenance
 from erase_tune.measure.protocol import STOPS
 from erase_tune.runtime import ErasePlan
 from erase_tune.runtime.device import resolve_device
@@ -44,9 +44,9 @@ from erase_tune.measure.trial import (
     ranks_of,
     release,
 )
-from erase_tune.workloads import Workload
+from erase_tune.workloads import Workload, WorkloadData
 
-__all__ = ["GAIN_OVER", "PlanConfirmation", "ConfirmResult", "baseline_plan", "confirm_plans"]
+__all__ = ["GAIN_OVER", "ConfirmWindows", "PlanConfirmation", "ConfirmResult", "baseline_plan", "confirm_plans"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -98,32 +98,35 @@ def baseline_plan(gain_over: str) -> ErasePlan:
     return ErasePlan(whole_step_graph=gain_over == "graph")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ConfirmWindows:
+    """How long a confirmation times (checked by :func:`confirm_plans`): at least ``windows``
+    windows (``--repeats``), then each plan until its gain's 95% interval is at most
+    ``±halfwidth``, at most ``max_windows``."""
+
+    windows: int
+    max_windows: int = 40
+    halfwidth: float = 0.02
+
+
 def confirm_plans(
     workload: Workload,
     plans: Mapping[str, ErasePlan],
     *,
     budget: Budget,
-    windows: int,
-    max_windows: int = 40,
-    halfwidth: float = 0.02,
+    timing: ConfirmWindows,
     gain_over: str = "eager",
     device: str | torch.device | None = None,
     process_group: Any = None,
 ) -> ConfirmResult:
     """Time every plan in ``plans`` against the ``gain_over`` baseline in one process,
     interleaved, in windows of ``budget.window_steps`` steps after ``budget.warmup_steps``
-    warm-up steps each: at least ``windows`` windows, then each plan until its gain's 95%
-    interval is at most ``±halfwidth``, at most ``max_windows``. ``process_group``: as one rank
-    of a data-parallel trial (see :func:`erase_tune.measure.trial.run_trial`; every rank acts on rank 0's
-    window gains)."""
-    if isinstance(windows, bool) or not isinstance(windows, int) or windows < 2:
-        raise EraseTuneError(f"--repeats: {windows!r} must be an integer >= 2 (an interval needs two windows)")
-    if isinstance(max_windows, bool) or not isinstance(max_windows, int) or max_windows < windows:
-        raise EraseTuneError(f"max_windows: {max_windows!r} must be an integer >= the minimum windows ({windows})")
-    if isinstance(halfwidth, bool) or not isinstance(halfwidth, (int, float)) or not (
-            math.isfinite(halfwidth) and 0 < halfwidth < 1):
-        raise EraseTuneError(f"halfwidth: {halfwidth!r} must be a number in (0, 1), e.g. 0.02 for ±2%")
-    rule = StopRule(min_windows=windows, max_windows=max_windows, halfwidth=halfwidth)
+    warm-up steps each: at least ``timing.windows`` windows, then each plan until its gain's 95%
+    interval is at most ``±timing.halfwidth``, at most ``timing.max_windows``. ``process_group``:
+    as one rank of a data-parallel trial (see :func:`erase_tune.measure.trial.run_trial`; every
+    rank acts on rank 0's window gains)."""
+    windows, max_windows, halfwidth = timing.windows, timing.max_windows, timing.halfwidth
+    rule = _confirm_rule(windows, max_windows, halfwidth)
     device = resolve_device(device)
     base = baseline_plan(gain_over)
     if base.whole_step_graph and device.type != "cuda":
@@ -133,22 +136,54 @@ def confirm_plans(
     timed = {"baseline": base, **{name: p for name, p in plans.items() if name not in same}}
     for name, p in timed.items():
         p.check_model(init)
-    rank, world = ranks_of(process_group)
-    variants: dict[str, Variant] = {}
+    world = ranks_of(process_group)[1]
     measured = None
     if len(timed) > 1:  # something to compare with the baseline
-        try:
-            for name, p in timed.items():
-                variants[name] = Variant(plan=p, engine=build_engine(workload, p, init, data, device, process_group),
-                                         data=data, rank=rank, world=world)
-            measured = measure_gains(
-                variants, device=device, warmup_steps=budget.warmup_steps, window_steps=budget.window_steps,
-                rule=rule, pairs={name: "baseline" for name in timed if name != "baseline"},
-                agree=agree_with_rank0(device, process_group) if process_group is not None else None,
-            )
-        finally:
-            release(variants.values(), device)
-            variants.clear()
+        measured = _time_plans(workload, timed, init, data, device, budget, rule, process_group)
+    out = _confirmations(plans, same, measured)
+    return ConfirmResult(
+        gain_over=gain_over, windows=measured.rounds if measured is not None else windows, plans=out,
+        samples={k: v.to_dict() for k, v in measured.timings.variants.items()} if measured is not None else {},
+        provenance=provenance(device, workload=workload.name, workload_args=jsonable_args(workload.args),
+                              budget=dataclasses.asdict(budget), windows=windows, max_windows=max_windows,
+                              halfwidth=halfwidth, gain_over=gain_over, ranks=world),
+    )
+
+
+def _confirm_rule(windows: int, max_windows: int, halfwidth: float) -> StopRule:
+    """The confirmation's stop rule, its settings checked (``windows`` is ``--repeats``)."""
+    if isinstance(windows, bool) or not isinstance(windows, int) or windows < 2:
+        raise EraseTuneError(f"--repeats: {windows!r} must be an integer >= 2 (an interval needs two windows)")
+    if isinstance(max_windows, bool) or not isinstance(max_windows, int) or max_windows < windows:
+        raise EraseTuneError(f"max_windows: {max_windows!r} must be an integer >= the minimum windows ({windows})")
+    if isinstance(halfwidth, bool) or not isinstance(halfwidth, (int, float)) or not (
+            math.isfinite(halfwidth) and 0 < halfwidth < 1):
+        raise EraseTuneError(f"halfwidth: {halfwidth!r} must be a number in (0, 1), e.g. 0.02 for ±2%")
+    return StopRule(min_windows=windows, max_windows=max_windows, halfwidth=halfwidth)
+
+
+def _time_plans(workload: Workload, timed: Mapping[str, ErasePlan], init: torch.nn.Module, data: WorkloadData,
+                device: torch.device, budget: Budget, rule: StopRule, process_group: Any) -> ProtocolResult:
+    """``timed`` (the baseline among them) timed by the one protocol, each plan against the baseline."""
+    rank, world = ranks_of(process_group)
+    variants: dict[str, Variant] = {}
+    try:
+        for name, p in timed.items():
+            variants[name] = Variant(plan=p, engine=build_engine(workload, p, init, data, device, process_group),
+                                     data=data, rank=rank, world=world)
+        return measure_gains(
+            variants, device=device, steps=budget.steps(), rule=rule,
+            pairs={name: "baseline" for name in timed if name != "baseline"},
+            hooks=ProtocolHooks(agree=agree_with_rank0(device, process_group) if process_group is not None else None),
+        )
+    finally:
+        release(variants.values(), device)
+        variants.clear()
+
+
+def _confirmations(plans: Mapping[str, ErasePlan], same: Collection[str],
+                   measured: ProtocolResult | None) -> dict[str, PlanConfirmation]:
+    """Each plan's confirmation: its measured gain, or none for a plan that is the baseline (``same``)."""
     out: dict[str, PlanConfirmation] = {}
     for name in plans:
         if name in same:
@@ -159,10 +194,4 @@ def confirm_plans(
         g = measured.gains[name]
         out[name] = PlanConfirmation(gain=g.gain, lo=g.lo, hi=g.hi, per_window=g.per_window, windows=g.windows,
                                      stopped=g.stopped)
-    return ConfirmResult(
-        gain_over=gain_over, windows=measured.rounds if measured is not None else windows, plans=out,
-        samples={k: v.to_dict() for k, v in measured.timings.variants.items()} if measured is not None else {},
-        provenance=provenance(device, workload=workload.name, workload_args=jsonable_args(workload.args),
-                              budget=dataclasses.asdict(budget), windows=windows, max_windows=max_windows,
-                              halfwidth=halfwidth, gain_over=gain_over, ranks=world),
-    )
+    return out

@@ -29,7 +29,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from erase_tune.measure.timing import StepRunner, interleave
+from erase_tune.measure.timing import StepRunner, Steps, interleave
 
 __all__ = ["HostCpu", "blocking_sync", "host_cpu_interleaved", "host_tax"]
 
@@ -160,8 +160,8 @@ def host_cpu_interleaved(runners: Mapping[str, StepRunner], *, device: torch.dev
         return [(time.process_time() - c0) / count]
 
     with blocking_sync(device) as (excluded, how):
-        out, _ = interleave(runners, window, device=device, warmup_steps=warmup_steps, windows=windows,
-                            window_steps=window_steps, start_step=start_step, order=order)
+        out, _ = interleave(runners, window, device=device, windows=windows, order=order,
+                            steps=Steps(warmup_steps=warmup_steps, window_steps=window_steps, start_step=start_step))
     return HostCpu(per_window={n: tuple(v) for n, v in out.items()},
                    main_thread_per_window={n: tuple(v) for n, v in thread.items()}, waits_excluded=excluded,
                    how=f"{how}; runners {'shuffled' if order == 'shuffle' else 'rotated'} from round to round")

@@ -56,8 +56,8 @@ from erase_tune.measure.trial import (
 )
 from erase_tune.workloads import Workload, WorkloadData
 
-__all__ = ["NoiseFloor", "QualityConfirmation", "QualityResult", "measure_noise_floor", "confirm_quality",
-           "exact_by_construction", "feasible", "train_ne", "MAX_REPEATS"]
+__all__ = ["NoiseFloor", "QualityConfirmation", "QualityResult", "QualitySettings", "TrainStart",
+           "measure_noise_floor", "confirm_quality", "exact_by_construction", "feasible", "train_ne", "MAX_REPEATS"]
 
 
 def feasible(ne_gap: float, max_ne_gap: float, band: float = 0.0, *, exact: bool = False) -> bool:
@@ -115,17 +115,30 @@ def _order(steps: int, pool: int, seed: int | None) -> list[int]:
     return [order[i] for i in torch.randperm(steps, generator=g).tolist()]
 
 
-def train_ne(workload: Workload, plan: ErasePlan, init: torch.nn.Module, data: WorkloadData, device: torch.device,
-             steps: int, *, random_seed: int, order_seed: int | None = None, process_group: Any = None,
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainStart:
+    """What every NE training of one measurement starts from: the workload, its initial model
+    and data on ``device``, and the data-parallel group (None: this process alone)."""
+
+    workload: Workload
+    init: torch.nn.Module
+    data: WorkloadData
+    device: torch.device
+    process_group: Any = None
+
+
+def train_ne(start: TrainStart, plan: ErasePlan, steps: int, *, random_seed: int, order_seed: int | None = None,
              check: bool = False) -> float:
-    """Train a copy of ``init`` under ``plan`` for ``steps`` steps and return its held-out NE.
+    """Train a copy of ``start.init`` under ``plan`` for ``steps`` steps and return its held-out NE.
     ``order_seed`` None trains on the batches in a trial's order; otherwise the same batches
     in an order permuted by that seed. The steps draw their random numbers (dropout masks) from
     ``random_seed``'s own sequence (:class:`~erase_tune.measure.rng.SeededRandom`): a trial's
     variants draw from ``budget.seed``'s. ``check``: check the workload's loss first
     (:func:`erase_tune.measure.trial.check_workload_loss`). Data parallel: rank r trains batch ``s·k + r`` of the
     (permuted) order, as a trial does."""
+    workload, data, device, process_group = start.workload, start.data, start.device, start.process_group
     rank, world = ranks_of(process_group)
+    init = start.init
     engine = build_engine(workload, plan, init, data, device, process_group)
     if check:
         try:
@@ -171,19 +184,17 @@ def measure_noise_floor(workload: Workload, budget: Budget = Budget(), *, repeat
     data, init = prepare(workload, device, budget.seed)
     steps = budget.training_steps
     base = ErasePlan()
+    start = TrainStart(workload=workload, init=init, data=data, device=device, process_group=process_group)
     try:
-        reference = train_ne(workload, base, init, data, device, steps, random_seed=budget.seed,
-                             process_group=process_group, check=True)
+        reference = train_ne(start, base, steps, random_seed=budget.seed, check=True)
         gaps, kinds = [], []
         for r in range(repeats):  # another order of the batches, and other dropout masks
             seed = budget.seed * 1000 + r + 1
-            ne = train_ne(workload, base, init, data, device, steps, order_seed=seed, random_seed=seed,
-                          process_group=process_group)
+            ne = train_ne(start, base, steps, order_seed=seed, random_seed=seed)
             gaps.append((ne - reference) / reference)
             kinds.append("order")
         if graph:
-            ne = train_ne(workload, ErasePlan(whole_step_graph=True), init, data, device, steps,
-                          random_seed=budget.seed, process_group=process_group)
+            ne = train_ne(start, ErasePlan(whole_step_graph=True), steps, random_seed=budget.seed)
             gaps.append((ne - reference) / reference)
             kinds.append("graph")
     finally:
@@ -228,15 +239,29 @@ class QualityResult:
     provenance: Mapping[str, Any]
 
 
-def confirm_quality(workload: Workload, plans: Mapping[str, ErasePlan], *, budget: Budget, scale: int = 4,
-                    seeds: int = 3, band: float = 0.0, device: str | torch.device | None = None,
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QualitySettings:
+    """How long and how often :func:`confirm_quality` trains, and the band an exact plan's gap gets."""
+
+    scale: int = 4
+    """Each training is this many times the trial's training steps."""
+    seeds: int = 3
+    """Data orders (seeds) trained; the NE gap's interval is over these."""
+    band: float = 0.0
+    """The noise floor: an exact plan's gap is 0 ± this."""
+
+
+def confirm_quality(workload: Workload, plans: Mapping[str, ErasePlan], *, budget: Budget,
+                    settings: QualitySettings = QualitySettings(), device: str | torch.device | None = None,
                     process_group: Any = None, progress: Callable[[str], None] = lambda s: None,
                     exact: Collection[str] | None = None) -> QualityResult:
-    """Train each plan in ``plans`` and the baseline for ``scale`` × the trial's training steps,
-    from the same init, once per seed (seed ``k`` trains the batches in the order permuted by
-    ``k``; the first seed is the trial's own order), and report each plan's NE gap with a 95%
-    interval over seeds. Exact plans are not trained: gap 0, interval ±``band``; ``exact`` names
-    them (the plans a trial's gradient check verified), else every plan exact by construction is."""
+    """Train each plan in ``plans`` and the baseline for ``settings.scale`` × the trial's training
+    steps, from the same init, once per seed (seed ``k`` of ``settings.seeds`` trains the batches
+    in the order permuted by ``k``; the first seed is the trial's own order), and report each
+    plan's NE gap with a 95% interval over seeds. Exact plans are not trained: gap 0, interval
+    ±``settings.band``; ``exact`` names them (the plans a trial's gradient check verified), else
+    every plan exact by construction is."""
+    scale, seeds, band = settings.scale, settings.seeds, settings.band
     for name, value, low in (("quality scale", scale, 1), ("quality seeds", seeds, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= MAX_REPEATS:
             raise EraseTuneError(f"{name}: {value!r} must be an integer in {low}..{MAX_REPEATS}")
@@ -251,18 +276,17 @@ def confirm_quality(workload: Workload, plans: Mapping[str, ErasePlan], *, budge
     orders = [None, *(budget.seed * 1000 + 500 + k for k in range(1, seeds))]
     base_ne: list[float] = []
     per: dict[str, list[float]] = {name: [] for name in trained}
+    start = TrainStart(workload=workload, init=init, data=data, device=device, process_group=process_group)
     try:
         for order in orders:
             if not trained:
                 break
             masks = budget.seed if order is None else order  # a plan draws its baseline's masks
-            ref = train_ne(workload, ErasePlan(), init, data, device, steps, order_seed=order, random_seed=masks,
-                           process_group=process_group, check=not base_ne)
+            ref = train_ne(start, ErasePlan(), steps, order_seed=order, random_seed=masks, check=not base_ne)
             base_ne.append(ref)
             for name, p in trained.items():
                 progress(f"quality: plan {name}, order {order}")
-                ne = train_ne(workload, p, init, data, device, steps, order_seed=order, random_seed=masks,
-                              process_group=process_group)
+                ne = train_ne(start, p, steps, order_seed=order, random_seed=masks)
                 per[name].append((ne - ref) / ref)
     finally:
         release((), device)

@@ -46,13 +46,15 @@ from erase_tune.measure.stats import t_interval
 from erase_tune.measure.timing import (
     InterleavedTimings,
     StepRunner,
+    Steps,
     Timings,
     WindowMeasure,
     interleave,
     window_measure,
 )
 
-__all__ = ["STOPS", "StopRule", "GainEstimate", "ProtocolResult", "measure_gains", "window_gain", "estimate"]
+__all__ = ["STOPS", "StopRule", "GainEstimate", "ProtocolResult", "ProtocolHooks", "Steps", "measure_gains",
+           "window_gain", "estimate"]
 
 STOPS = ("narrow", "behind", "cap")
 """Why a plan stopped being measured: its interval was narrow enough, it was behind the bound
@@ -87,6 +89,18 @@ class StopRule:
             raise EraseTuneError(f"stop_rule.halfwidth: {self.halfwidth!r} must be a number in (0, 1)")
         if self.below is not None and not _number(self.below):
             raise EraseTuneError(f"stop_rule.below: {self.below!r} must be a finite number or None")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProtocolHooks:
+    """What a caller plugs into :func:`measure_gains` (each optional)."""
+
+    window: WindowMeasure | None = None
+    """Replaces the device clock (a seeded fake window drives the protocol on the CPU in tests)."""
+    after_warmup: Callable[[], None] | None = None
+    """Called once after the warm-up and its device sync, before the first timed window."""
+    agree: Agree | None = None
+    """Maps each round's gains to the ones acted on (data parallel: rank 0's, broadcast)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -167,89 +181,101 @@ def measure_gains(
     runners: Mapping[str, StepRunner],
     *,
     device: torch.device | str,
-    warmup_steps: int,
-    window_steps: int,
+    steps: Steps,
     rule: StopRule,
     pairs: Mapping[str, str | Sequence[str]],
-    window: WindowMeasure | None = None,
-    after_warmup: Callable[[], None] | None = None,
-    start_step: int = 0,
     deciding: Collection[str] | None = None,
-    agree: Agree | None = None,
+    hooks: ProtocolHooks = ProtocolHooks(),
 ) -> ProtocolResult:
     """Time ``runners`` interleaved until every plan's gain is known well enough; see the module
     docstring.
 
+    ``steps``: the warm-up steps per runner, the steps per window and the first step index.
     ``pairs``: plan -> the runner it is compared with, or several (the first is the primary
     reference, whose interval the stop rule reads; e.g. ``{"candidate": ("baseline",
     "reference"), "detach_only": "baseline"}``). A runner may be a plan and a reference at once;
     every runner must be one of them. ``deciding``: the plans the stop rule applies to (default:
     every plan); the other plans are measured while any deciding plan is, and stop with the
     reason of the deciding plan whose stop ended them (the first in ``deciding`` order among
-    those that stopped last). ``after_warmup``: called once after the warm-up and its device
-    sync, before the first timed window. ``agree``: maps each round's gains (every measured
+    those that stopped last). ``hooks.after_warmup``: called once after the warm-up and its device
+    sync, before the first timed window. ``hooks.agree``: maps each round's gains (every measured
     pair, sorted by plan then reference) to the ones acted on (data parallel: a broadcast from
-    rank 0, so every rank stops the same runners).
+    rank 0, so every rank stops the same runners). ``hooks.window``: replaces the device clock.
     """
+    warmup_steps, window_steps, start_step = steps.warmup_steps, steps.window_steps, steps.start_step
+    window, after_warmup, agree = hooks.window, hooks.after_warmup, hooks.agree
     if not runners:
         raise ValueError("runners: need at least one runner to time")
     for name, value in (("warmup_steps", warmup_steps), ("window_steps", window_steps), ("start_step", start_step)):
         if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "window_steps" else 0):
             raise ValueError(f"{name}: {value!r} must be an integer >= {1 if name == 'window_steps' else 0}")
-    refs = _pairs(runners, pairs)
-    order = list(refs)
-    deciders = order if deciding is None else [p for p in deciding]
-    if not set(deciders) <= set(order) or (order and not deciders):
-        raise ValueError(f"deciding: {sorted(deciders)} must be a non-empty subset of the plans {order}")
+    race = _Race(runners, _pairs(runners, pairs), deciding, rule, agree)
     device = torch.device(device)
     clock = window if window is not None else window_measure(device)
-
-    per_pair: dict[tuple[str, str], list[float]] = {(p, r): [] for p in order for r in refs[p]}
-    stopped: dict[str, str] = {}
-    rounds_run = {name: 0 for name in runners}
-
-    def needed() -> set[str]:
-        live = [p for p in order if p not in stopped]
-        return {*live, *(r for p in live for r in refs[p])}
-
-    def after_round(round_index: int, got: Mapping[str, list[float]]) -> Collection[str]:
-        for name in got:
-            rounds_run[name] += 1
-        live = [p for p in order if p not in stopped]
-        keys = sorted((p, r) for p in live for r in refs[p])
-        gains = [window_gain(got[p], got[r]) for p, r in keys]
-        if agree is not None and keys:
-            gains = [float(g) for g in agree(gains)]
-            if len(gains) != len(keys):
-                raise ValueError(f"agree: returned {len(gains)} gains for {len(keys)} pairs")
-        for key, g in zip(keys, gains):
-            per_pair[key].append(g)
-        ended: list[str] = []
-        for p in deciders:
-            if p in stopped:
-                continue
-            reason = _stop(per_pair[(p, refs[p][0])], rule)
-            if reason is not None:
-                stopped[p] = reason
-                ended.append(p)
-        if ended and all(p in stopped for p in deciders):
-            for p in live:  # the plans measured alongside end with the last deciding plan
-                stopped.setdefault(p, stopped[ended[0]])
-        return needed()
-
-    samples, labels = interleave(runners, clock, device=device, warmup_steps=warmup_steps,
-                                 windows=rule.max_windows, window_steps=window_steps, start_step=start_step,
-                                 after_warmup=after_warmup, after_round=after_round)
-    next_steps = {n: start_step + warmup_steps + rounds_run[n] * window_steps for n in runners}
+    samples, labels = interleave(runners, clock, device=device, steps=steps, windows=rule.max_windows,
+                                 after_warmup=after_warmup, after_round=race.after_round)
+    next_steps = {n: start_step + warmup_steps + race.rounds_run[n] * window_steps for n in runners}
     most = max(next_steps.values()) - start_step
     timings = InterleavedTimings(
         variants={n: Timings(steps_s=tuple(samples[n]), window=tuple(labels[n])) for n in runners},
         steps_run=most, next_step=start_step + most,
         clock="custom" if window is not None else "cuda_event" if device.type == "cuda" else "perf_counter",
     )
-    pair_gains = {key: estimate(g, stopped[key[0]]) for key, g in per_pair.items()}
-    return ProtocolResult(timings=timings, gains={p: pair_gains[(p, refs[p][0])] for p in order},
-                          pair_gains=pair_gains, rounds=max(rounds_run.values()), next_steps=next_steps)
+    pair_gains = {key: estimate(g, race.stopped[key[0]]) for key, g in race.per_pair.items()}
+    return ProtocolResult(timings=timings, gains={p: pair_gains[(p, race.refs[p][0])] for p in race.order},
+                          pair_gains=pair_gains, rounds=max(race.rounds_run.values()), next_steps=next_steps)
+
+
+class _Race:
+    """The sequential protocol's bookkeeping over the rounds: every pair's per-round gains, which
+    plans stopped and why, and the rounds each runner ran; :meth:`after_round` is
+    :func:`~erase_tune.measure.timing.interleave`'s ``after_round``."""
+
+    def __init__(self, runners: Mapping[str, StepRunner], refs: dict[str, tuple[str, ...]],
+                 deciding: Collection[str] | None, rule: StopRule, agree: Agree | None) -> None:
+        self.refs, self.rule, self.agree = refs, rule, agree
+        self.order = list(refs)
+        self.deciders = self.order if deciding is None else [p for p in deciding]
+        if not set(self.deciders) <= set(self.order) or (self.order and not self.deciders):
+            raise ValueError(f"deciding: {sorted(self.deciders)} must be a non-empty subset of the plans {self.order}")
+        self.per_pair: dict[tuple[str, str], list[float]] = {(p, r): [] for p in self.order for r in refs[p]}
+        self.stopped: dict[str, str] = {}
+        self.rounds_run = {name: 0 for name in runners}
+
+    def needed(self) -> set[str]:
+        """The runners the next round needs: the plans still measured and their references."""
+        live = [p for p in self.order if p not in self.stopped]
+        return {*live, *(r for p in live for r in self.refs[p])}
+
+    def after_round(self, round_index: int, got: Mapping[str, list[float]]) -> Collection[str]:
+        """Record one round's gains, stop the plans the rule stops, and name the runners still needed."""
+        for name in got:
+            self.rounds_run[name] += 1
+        live = [p for p in self.order if p not in self.stopped]
+        self._record(got, live)
+        ended: list[str] = []
+        for p in self.deciders:
+            if p in self.stopped:
+                continue
+            reason = _stop(self.per_pair[(p, self.refs[p][0])], self.rule)
+            if reason is not None:
+                self.stopped[p] = reason
+                ended.append(p)
+        if ended and all(p in self.stopped for p in self.deciders):
+            for p in live:  # the plans measured alongside end with the last deciding plan
+                self.stopped.setdefault(p, self.stopped[ended[0]])
+        return self.needed()
+
+    def _record(self, got: Mapping[str, list[float]], live: list[str]) -> None:
+        """This round's window gain of every live pair (the ones ``agree`` returns, where given)."""
+        keys = sorted((p, r) for p in live for r in self.refs[p])
+        gains = [window_gain(got[p], got[r]) for p, r in keys]
+        if self.agree is not None and keys:
+            gains = [float(g) for g in self.agree(gains)]
+            if len(gains) != len(keys):
+                raise ValueError(f"agree: returned {len(gains)} gains for {len(keys)} pairs")
+        for key, g in zip(keys, gains):
+            self.per_pair[key].append(g)
 
 
 def _stop(gains: list[float], rule: StopRule) -> str | None:

@@ -28,11 +28,21 @@ from typing import Any
 
 import torch
 
-__all__ = ["StepRunner", "Timings", "InterleavedTimings", "WindowMeasure", "RoundDone", "interleave",
+__all__ = ["StepRunner", "Steps", "Timings", "InterleavedTimings", "WindowMeasure", "RoundDone", "interleave",
            "time_interleaved", "window_measure"]
 
 StepRunner = Callable[[int], Any]
 """One full training step for the given global step index; its return value is ignored."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Steps:
+    """How many steps an interleaved measurement runs: ``warmup_steps`` untimed per runner, then
+    windows of ``window_steps`` timed steps; every runner's step indices count from ``start_step``."""
+
+    warmup_steps: int
+    window_steps: int
+    start_step: int = 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -112,8 +122,9 @@ def time_interleaved(
     device = torch.device(device)
     window_timer = window_measure(device)
     names = list(runners)
-    samples, labels = interleave(runners, window_timer, device=device, warmup_steps=warmup_steps, windows=windows,
-                                 window_steps=window_steps, start_step=start_step)
+    samples, labels = interleave(runners, window_timer, device=device, windows=windows,
+                                 steps=Steps(warmup_steps=warmup_steps, window_steps=window_steps,
+                                             start_step=start_step))
 
     steps_run = warmup_steps + windows * window_steps
     return InterleavedTimings(
@@ -145,13 +156,13 @@ RoundDone = Callable[[int, Mapping[str, list[float]]], Collection[str]]
 """``(round index, samples of this round by runner) -> runners that run in the next round``."""
 
 
-def interleave(runners: Mapping[str, StepRunner], window: WindowMeasure, *, device: torch.device,
-               warmup_steps: int, windows: int, window_steps: int,
-               start_step: int = 0, order: str = "rotate", after_warmup: Callable[[], None] | None = None,
+def interleave(runners: Mapping[str, StepRunner], window: WindowMeasure, *, device: torch.device, steps: Steps,
+               windows: int, order: str = "rotate", after_warmup: Callable[[], None] | None = None,
                after_round: RoundDone | None = None) -> tuple[dict[str, list[float]], dict[str, list[int]]]:
-    """The schedule of :func:`time_interleaved` with any window measurement: warm-up, a device
-    sync, ``after_warmup()``, then at most ``windows`` rounds. Returns each runner's samples and,
-    per sample, its round.
+    """The schedule of :func:`time_interleaved` with any window measurement: warm-up
+    (``steps.warmup_steps`` per runner), a device sync, ``after_warmup()``, then at most
+    ``windows`` rounds of ``steps.window_steps`` steps. Returns each runner's samples and, per
+    sample, its round.
 
     Rotation keeps each runner's predecessor fixed (with three or more runners, ``B`` follows
     ``A`` in every round but one). Where what a runner costs depends on the one before it, as
@@ -166,6 +177,7 @@ def interleave(runners: Mapping[str, StepRunner], window: WindowMeasure, *, devi
     The remaining runners are rotated among themselves."""
     if order not in ORDERS:
         raise ValueError(f"order: {order!r} is not one of {', '.join(ORDERS)}")
+    warmup_steps, window_steps, start_step = steps.warmup_steps, steps.window_steps, steps.start_step
     names = list(runners)
     rng = random.Random(0)
     next_index = {name: start_step for name in names}

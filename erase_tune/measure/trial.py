@@ -49,7 +49,16 @@ from typing import Any
 import torch
 
 from erase_tune.errors import CaptureError, EraseTuneError, one_line, shown
-from erase_tune.measure import GainEstimate, StopRule, measure_gains, provenance, qps_summary
+from erase_tune.measure import (
+    GainEstimate,
+    ProtocolHooks,
+    ProtocolResult,
+    Steps,
+    StopRule,
+    measure_gains,
+    provenance,
+    qps_summary,
+)
 from erase_tune.measure.rng import SeededRandom, global_state, set_global_state
 from erase_tune.measure.stats import gain
 from erase_tune.runtime import EraseEngine, ErasePlan
@@ -58,7 +67,8 @@ from erase_tune.runtime.losscheck import check_loss
 from erase_tune.workloads import Workload, WorkloadData
 from erase_tune.workloads.limits import MAX_SEED
 
-__all__ = ["Budget", "VariantResult", "TrialResult", "TrialFailed", "run_trial", "build_engine", "Variant", "jsonable_args",
+__all__ = ["Budget", "Ranking", "VariantResult", "TrialResult", "TrialFailed", "run_trial", "build_engine", "Variant",
+           "jsonable_args",
            "release", "reference_capture_error", "capture_error", "UNKNOWN", "BASELINE"]
 __all__ += ["check_workload_loss", "MAX_REPEATS", "GAIN_OVER", "exact_by_construction", "gradient_difference",
             "agree_with_rank0", "EXACT_RTOL", "prepare"]
@@ -174,10 +184,25 @@ class Budget:
         """Steps every timed variant trains at least: warm-up + ``windows`` × ``window_steps``."""
         return self.warmup_steps + self.windows * self.window_steps
 
+    def steps(self) -> Steps:
+        """The protocol's warm-up and window steps for this budget."""
+        return Steps(warmup_steps=self.warmup_steps, window_steps=self.window_steps)
+
     def stop_rule(self, below: float | None = None) -> StopRule:
         """The protocol's stop rule for this budget (``below``: the racing bound, if any)."""
         return StopRule(min_windows=self.windows, max_windows=self.max_windows, halfwidth=self.halfwidth,
                         below=below)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Ranking:
+    """Which gain a trial stops timing on and reports as ``TrialResult.gain``, and its race bound
+    (both checked by :func:`run_trial`)."""
+
+    gain_over: str = "eager"
+    """``eager`` (over the baseline) or ``graph`` (over the whole-step-graph reference, which must run)."""
+    stop_below: float | None = None
+    """The racing bound: timing stops once the gain's upper bound is below it (None: no race)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -353,8 +378,7 @@ def run_trial(
     baseline_ne: float | None = None,
     process_group: Any = None,
     reference_error: str | None | _Unknown = UNKNOWN,
-    gain_over: str = "eager",
-    stop_below: float | None = None,
+    ranking: Ranking = Ranking(),
 ) -> TrialResult:
     """Measure ``plan`` on ``workload`` against the baseline; see the module docstring.
 
@@ -365,22 +389,106 @@ def run_trial(
     with the same arguments. ``reference_error``: what :func:`reference_capture_error` said for
     this workload and device (the service tries it once per job): None, the reference runs; a
     reason, it is left out and the reason recorded. Left :data:`UNKNOWN`, the trial tries the
-    capture itself first (only when ``budget.reference`` and on CUDA). ``gain_over``: which
-    gain's interval decides when timing stops, and which one ``TrialResult.gain`` is: ``eager``
-    (over the baseline) or ``graph`` (over the whole-step-graph reference, which must run).
-    ``stop_below``: the racing bound: timing stops once the gain's upper bound is below it.
+    capture itself first (only when ``budget.reference`` and on CUDA). ``ranking.gain_over``:
+    which gain's interval decides when timing stops, and which one ``TrialResult.gain`` is:
+    ``eager`` (over the baseline) or ``graph`` (over the whole-step-graph reference, which must
+    run). ``ranking.stop_below``: the racing bound: timing stops once the gain's upper bound is
+    below it.
     """
     started = time.perf_counter()
+    gain_over, stop_below = ranking.gain_over, ranking.stop_below
+    device = resolve_device(device)
+    with_reference = _check_trial_options(budget, device, gain_over, stop_below)
+    ref_error = _reference_error(workload, budget, device, with_reference, reference_error, gain_over)
+    data, init = prepare(workload, device, budget.seed)
+    plan.check_model(init)
+    world = ranks_of(process_group)[1]
+    plans, pairs = _variant_plans(plan, budget, with_reference and ref_error is None, gain_over)
+    variants: dict[str, Variant] = {}
+    check = _ExactnessCheck(workload, budget, init, data, device, process_group, variants)
+    try:
+        _build_variants(variants, workload, plans, init, data, device, budget.seed, process_group)
+        measured = _time_variants(variants, budget, device, pairs, stop_below,
+                                  check if exact_by_construction(plan) else None, process_group)
+        exact = bool(check.ok)
+        ne: dict[str, float | None] = {"baseline": baseline_ne, "candidate": baseline_ne}
+        if not exact:
+            quality = ("candidate",) if baseline_ne is not None else ("baseline", "candidate")
+            ne.update(_train_for_quality(workload, {n: variants[n] for n in quality}, measured,
+                                         budget.training_steps, process_group))
+    finally:
+        release(variants.values(), device)
+        variants.clear()
+    trained = budget.training_steps if not exact else measured.next_steps["candidate"]
+    return TrialResult(
+        workload=workload.name, plan=plan, batch_size=workload.batch_size * world, exact=exact, exact_diff=check.diff,
+        reference_error=ref_error, **_measured_fields(measured, plans, workload.batch_size * world),
+        **_quality_fields(ne, exact), duration_s=time.perf_counter() - started,
+        provenance=_trial_provenance(workload, budget, device, data, world, trained, gain_over=gain_over,
+                                     stop_below=stop_below, baseline_ne_cached=baseline_ne is not None),
+    )
+
+
+def _trial_provenance(workload: Workload, budget: Budget, device: torch.device, data: WorkloadData, world: int,
+                      trained: int, **settings: Any) -> dict[str, Any]:
+    """A trial's provenance: the machine's, the workload, the budget, the steps trained and the
+    trial's ``settings``."""
+    return provenance(
+        device, workload=workload.name, workload_args=jsonable_args(workload.args),
+        budget=dataclasses.asdict(budget), training_steps=trained, **settings, ranks=world,
+        # > 1 means batches were re-read; a CTR proxy over-fits on a second pass, so NE is then suspect.
+        data_passes=round(trained * world / len(data.train), 3),
+    )
+
+
+def _time_variants(variants: Mapping[str, Variant], budget: Budget, device: torch.device,
+                   pairs: Mapping[str, tuple[str, ...]], stop_below: float | None,
+                   after_warmup: Callable[[], None] | None, process_group: Any) -> ProtocolResult:
+    """The variants timed by the one protocol until the candidate's gain is known well enough
+    (every rank acting on rank 0's gains), then checked for a finite training loss."""
+    measured = measure_gains(
+        variants, device=device, steps=budget.steps(), rule=budget.stop_rule(below=stop_below), pairs=pairs,
+        deciding=("candidate",),
+        hooks=ProtocolHooks(after_warmup=after_warmup,
+                            agree=agree_with_rank0(device, process_group) if process_group is not None else None),
+    )
+    for name, v in variants.items():
+        _check_finite(name, v, process_group)
+    return measured
+
+
+def _build_variants(into: dict[str, Variant], workload: Workload, plans: Mapping[str, ErasePlan],
+                    init: torch.nn.Module, data: WorkloadData, device: torch.device, seed: int,
+                    process_group: Any) -> None:
+    """One :class:`Variant` per plan, put in ``into`` as each is built (so that a failure
+    releases the ones built before it), every one drawing its own copy of ``seed``'s random numbers."""
+    rank, world = ranks_of(process_group)
+    for name, p in plans.items():
+        into[name] = Variant(plan=p, engine=build_engine(workload, p, init, data, device, process_group),
+                             data=data, rank=rank, world=world, random=SeededRandom(device, seed))
+        if name == "baseline":  # before any cut's aux head is sized: a bad loss is the loss's fault
+            check_workload_loss(workload, into[name].engine.model, data)
+
+
+def _check_trial_options(budget: Budget, device: torch.device, gain_over: str, stop_below: float | None) -> bool:
+    """``run_trial``'s ``gain_over`` and ``stop_below`` checked; whether the whole-step-graph
+    reference is to run (asked for, and on CUDA)."""
     if gain_over not in GAIN_OVER:
         raise EraseTuneError(f"gain_over: {shown(gain_over)} is not one of {', '.join(GAIN_OVER)}")
     if stop_below is not None and (isinstance(stop_below, bool) or not isinstance(stop_below, (int, float))
                                    or not math.isfinite(stop_below)):
         raise EraseTuneError(f"stop_below: {shown(stop_below)} must be a finite gain or None")
-    device = resolve_device(device)
     with_reference = budget.reference and device.type == "cuda"
     if gain_over == "graph" and not with_reference:
         why = "budget.reference is off" if not budget.reference else f"it needs CUDA, not {device.type}"
         raise EraseTuneError(f"gain_over: graph needs the whole-step-graph reference, which does not run here ({why})")
+    return with_reference
+
+
+def _reference_error(workload: Workload, budget: Budget, device: torch.device, with_reference: bool,
+                     reference_error: str | None | _Unknown, gain_over: str) -> str | None:
+    """Why the whole-step-graph reference is left out (None: it runs, or was not asked for),
+    tried here when the caller does not know yet."""
     if isinstance(reference_error, _Unknown):
         ref_error = reference_capture_error(workload, device, seed=budget.seed) if with_reference else None
     else:
@@ -388,127 +496,114 @@ def run_trial(
     if gain_over == "graph" and ref_error is not None:
         raise EraseTuneError("gain_over: graph needs the whole-step-graph reference, which cannot be captured for "
                              f"this workload ({ref_error}): use gain_over: eager")
-    data, init = prepare(workload, device, budget.seed)
-    plan.check_model(init)
-    rank, world = ranks_of(process_group)
+    return ref_error
 
+
+def _variant_plans(plan: ErasePlan, budget: Budget, reference: bool,
+                   gain_over: str) -> tuple[dict[str, ErasePlan], dict[str, tuple[str, ...]]]:
+    """The variants a trial times (by name) and the pairs its gains are over."""
     plans: dict[str, ErasePlan] = {"baseline": ErasePlan(), "candidate": plan}
     if budget.detach_only and plan.cuts:
         plans["detach_only"] = plan.detach_only()
-    if with_reference and ref_error is None:
+    if reference:
         plans["reference"] = ErasePlan(whole_step_graph=True)
     over = ("baseline",) if "reference" not in plans else ("baseline", "reference")
     pairs: dict[str, tuple[str, ...]] = {"candidate": over if gain_over == "eager" else over[::-1]}
     if "detach_only" in plans:
         pairs["detach_only"] = ("baseline",)
-    checked: list[float] = []  # the exactness check's largest difference, once it ran
-    exact_ok: list[bool] = []
-    variants: dict[str, Variant] = {}
+    return plans, pairs
 
-    def check_exact() -> None:
-        """After the warm-up: the candidate's gradients of the last warm-up step against the
-        baseline's. Where they differ beyond the dtype's tolerance, a twin of the baseline is
-        trained through the same warm-up, and the candidate may differ from the baseline as far
-        as the baseline differs from itself (a backward with atomics is not deterministic)."""
-        cand, base = variants["candidate"].engine.model, variants["baseline"].engine.model
+
+class _ExactnessCheck:
+    """After the warm-up: the candidate's gradients of the last warm-up step against the
+    baseline's. Where they differ beyond the dtype's tolerance, a twin of the baseline is
+    trained through the same warm-up, and the candidate may differ from the baseline as far
+    as the baseline differs from itself (a backward with atomics is not deterministic).
+    ``diff`` and ``ok`` are None until it ran."""
+
+    def __init__(self, workload: Workload, budget: Budget, init: torch.nn.Module, data: WorkloadData,
+                 device: torch.device, process_group: Any, variants: Mapping[str, Variant]) -> None:
+        self.workload, self.budget, self.init, self.data = workload, budget, init, data
+        self.device, self.process_group, self.variants = device, process_group, variants
+        self.diff: float | None = None
+        self.ok: bool | None = None
+
+    def __call__(self) -> None:
+        cand, base = self.variants["candidate"].engine.model, self.variants["baseline"].engine.model
         diff, ok = gradient_difference(cand, base)
-        if not ok and process_group is None:  # (several ranks would have to agree to build the twin)
-            twin = Variant(plan=ErasePlan(), engine=build_engine(workload, ErasePlan(), init, data, device),
-                           data=data, random=SeededRandom(device, budget.seed))  # the baseline's masks
-            try:
-                for step in range(budget.warmup_steps):
-                    twin(step)
-                noise = gradient_differences(twin.engine.model, base, norm="l2")
-                if noise is not None:
-                    diff, ok = gradient_difference(cand, base, [n for n, _ in noise])
-            finally:
-                release([twin], device)
-        if process_group is not None:  # every rank decides the same (rank-local kernels may differ)
-            diff, ok = _agree_worst(diff, ok, device, process_group)
-        checked.append(diff)
-        exact_ok.append(ok)
+        if not ok and self.process_group is None:  # (several ranks would have to agree to build the twin)
+            noise = self._baseline_noise(base)
+            if noise is not None:
+                diff, ok = gradient_difference(cand, base, noise)
+        if self.process_group is not None:  # every rank decides the same (rank-local kernels may differ)
+            diff, ok = _agree_worst(diff, ok, self.device, self.process_group)
+        self.diff, self.ok = diff, ok
 
-    try:
-        for name, p in plans.items():
-            variants[name] = Variant(plan=p, engine=build_engine(workload, p, init, data, device, process_group),
-                                     data=data, rank=rank, world=world, random=SeededRandom(device, budget.seed))
-            if name == "baseline":  # before any cut's aux head is sized: a bad loss is the loss's fault
-                check_workload_loss(workload, variants[name].engine.model, data)
-        measured = measure_gains(
-            variants, device=device, warmup_steps=budget.warmup_steps, window_steps=budget.window_steps,
-            rule=budget.stop_rule(below=stop_below), pairs=pairs, deciding=("candidate",),
-            after_warmup=check_exact if exact_by_construction(plan) else None,
-            agree=agree_with_rank0(device, process_group) if process_group is not None else None,
-        )
-        for name, v in variants.items():
-            _check_finite(name, v, process_group)
-        exact = bool(exact_ok and exact_ok[0])
-        ne: dict[str, float | None] = {"baseline": baseline_ne, "candidate": baseline_ne}
-        if not exact:
-            quality = ("candidate",) if baseline_ne is not None else ("baseline", "candidate")
-            # On to the same training length whatever the timing ran: NE compares across trials.
-            for step in range(min(measured.next_steps[n] for n in quality), budget.training_steps):
-                for name in quality:
-                    if step >= measured.next_steps[name]:
-                        variants[name](step)
-            for name in quality:
-                _check_finite(name, variants[name], process_group)
-                value = workload.normalized_entropy(variants[name].engine.model, data)
-                if not math.isfinite(value):
-                    raise TrialFailed(f"{name}: held-out NE is {value}")
-                ne[name] = value
-    finally:
-        release(variants.values(), device)
-        variants.clear()
+    def _baseline_noise(self, base: torch.nn.Module) -> list[float] | None:
+        """Per parameter, how far a twin of the baseline trained through the same warm-up is from it."""
+        twin = Variant(plan=ErasePlan(), engine=build_engine(self.workload, ErasePlan(), self.init, self.data,
+                                                             self.device),
+                       data=self.data, random=SeededRandom(self.device, self.budget.seed))  # the baseline's masks
+        try:
+            for step in range(self.budget.warmup_steps):
+                twin(step)
+            noise = gradient_differences(twin.engine.model, base, norm="l2")
+            return None if noise is None else [n for n, _ in noise]
+        finally:
+            release([twin], self.device)
 
-    timings = measured.timings
-    batch = workload.batch_size * world  # all ranks' examples per step
-    results = {}
-    for name, t in timings.variants.items():
-        s = qps_summary(t.steps_s, batch)
-        results[name] = VariantResult(name=name, plan=plans[name].describe(), p90_qps=s.p90, median_qps=s.median,
-                                      steps_s=t.steps_s, window=t.window)
-    primary = measured.gains["candidate"]
-    eager = measured.vs("candidate", "baseline")
-    vs_ref = measured.vs("candidate", "reference") if "reference" in plans else None
-    cand = results["candidate"]
-    trained = budget.training_steps if not exact else measured.next_steps["candidate"]
+
+def _train_for_quality(workload: Workload, variants: Mapping[str, Variant], measured: ProtocolResult,
+                       training_steps: int, process_group: Any) -> dict[str, float]:
+    """``variants`` (the candidate, and the baseline unless its NE is cached) trained on to
+    ``training_steps`` from where their timing stopped, and their held-out NE."""
+    quality = list(variants)
+    # On to the same training length whatever the timing ran: NE compares across trials.
+    for step in range(min(measured.next_steps[n] for n in quality), training_steps):
+        for name in quality:
+            if step >= measured.next_steps[name]:
+                variants[name](step)
+    ne: dict[str, float] = {}
+    for name in quality:
+        _check_finite(name, variants[name], process_group)
+        value = workload.normalized_entropy(variants[name].engine.model, variants[name].data)
+        if not math.isfinite(value):
+            raise TrialFailed(f"{name}: held-out NE is {value}")
+        ne[name] = value
+    return ne
+
+
+def _quality_fields(ne: Mapping[str, float | None], exact: bool) -> dict[str, Any]:
+    """The NE fields of a :class:`TrialResult`."""
     if exact:
         ne_gap = 0.0
     else:
         assert ne["candidate"] is not None and ne["baseline"] is not None
         ne_gap = (ne["candidate"] - ne["baseline"]) / ne["baseline"]
-    return TrialResult(
-        workload=workload.name,
-        plan=plan,
-        batch_size=batch,
+    return {"ne_baseline": ne["baseline"], "ne_candidate": ne["candidate"], "ne_gap": ne_gap}
+
+
+def _measured_fields(measured: ProtocolResult, plans: Mapping[str, ErasePlan], batch: int) -> dict[str, Any]:
+    """The timing fields of a :class:`TrialResult`: every variant's QPS and the gains
+    (``batch``: all ranks' examples per step)."""
+    results = {}
+    for name, t in measured.timings.variants.items():
+        s = qps_summary(t.steps_s, batch)
+        results[name] = VariantResult(name=name, plan=plans[name].describe(), p90_qps=s.p90, median_qps=s.median,
+                                      steps_s=t.steps_s, window=t.window)
+    primary = measured.gains["candidate"]
+    eager = measured.vs("candidate", "baseline")
+    cand, base = results["candidate"], results["baseline"]
+    return dict(
         variants=results,
-        ne_baseline=ne["baseline"],
-        ne_candidate=ne["candidate"],
-        ne_gap=ne_gap,
-        gain=primary.gain,
-        gain_lo=primary.lo,
-        gain_hi=primary.hi,
-        windows=primary.windows,
-        stopped=primary.stopped,
-        gain_p90=gain(cand.p90_qps, results["baseline"].p90_qps),
-        gain_median=gain(cand.median_qps, results["baseline"].median_qps),
+        gain=primary.gain, gain_lo=primary.lo, gain_hi=primary.hi, windows=primary.windows, stopped=primary.stopped,
+        gain_p90=gain(cand.p90_qps, base.p90_qps),
+        gain_median=gain(cand.median_qps, base.median_qps),
         gain_spread=(min(eager.per_window), max(eager.per_window)),
         gain_vs_reference=gain(cand.p90_qps, results["reference"].p90_qps) if "reference" in results else None,
-        gain_vs_reference_interval=_interval(vs_ref) if vs_ref is not None else None,
-        gain_detach_only=(gain(results["detach_only"].p90_qps, results["baseline"].p90_qps)
-                          if "detach_only" in results else None),
-        exact=exact,
-        exact_diff=checked[0] if checked else None,
-        duration_s=time.perf_counter() - started,
-        provenance=provenance(
-            device, workload=workload.name, workload_args=jsonable_args(workload.args),
-            budget=dataclasses.asdict(budget), training_steps=trained, gain_over=gain_over, stop_below=stop_below,
-            baseline_ne_cached=baseline_ne is not None, ranks=world,
-            # > 1 means batches were re-read; a CTR proxy over-fits on a second pass, so NE is then suspect.
-            data_passes=round(trained * world / len(data.train), 3),
-        ),
-        reference_error=ref_error,
+        gain_vs_reference_interval=(_interval(measured.vs("candidate", "reference")) if "reference" in plans
+                                    else None),
+        gain_detach_only=(gain(results["detach_only"].p90_qps, base.p90_qps) if "detach_only" in results else None),
     )
 
 

@@ -178,6 +178,7 @@ class EraseEngine:
     _steps: int
     """Eager steps completed (the first-step check runs in the first)."""
 
+    # wide: the runtime's public keyword API (a workload's loss, optimizer, heads, output), called so everywhere
     def __init__(
         self,
         model: nn.Module,

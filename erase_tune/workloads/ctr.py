@@ -534,6 +534,7 @@ def _needs(args: dict[str, Any]) -> list[Need]:
 
 
 
+# wide: the workload's user-facing arguments (--arg key=value)
 def workload(
     *,
     batch: int = 256,

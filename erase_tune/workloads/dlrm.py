@@ -283,6 +283,7 @@ _BOUNDS = {
 
 
 
+# wide: the workload's user-facing arguments (--arg key=value)
 def workload(
     *,
     batch: int = 4096,

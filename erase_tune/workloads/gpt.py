@@ -328,6 +328,7 @@ def cut_candidates(n_layer: int) -> tuple[str, ...]:
     return tuple(pieces + singles)
 
 
+# wide: the workload's user-facing arguments (--arg key=value)
 def workload(
     *,
     batch: int = 8,

@@ -276,6 +276,7 @@ def cut_candidates(depth: int) -> tuple[str, ...]:
     return tuple(pieces + singles)
 
 
+# wide: the workload's user-facing arguments (--arg key=value)
 def workload(
     *,
     batch: int = 128,

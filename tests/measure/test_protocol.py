@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from erase_tune.errors import EraseTuneError
-from erase_tune.measure import GainEstimate, StopRule, measure_gains, qps_summary, t_interval
+from erase_tune.measure import GainEstimate, ProtocolHooks, Steps, StopRule, measure_gains, qps_summary, t_interval
 from erase_tune.measure.protocol import estimate, window_gain
 
 
@@ -47,8 +47,9 @@ class FakeClock:
 
 
 def run(clock: FakeClock, pairs, rule: StopRule, **kw):
-    return measure_gains(clock.runners, device="cpu", warmup_steps=2, window_steps=10, rule=rule, pairs=pairs,
-                         window=clock, **kw)
+    hooks = ProtocolHooks(window=clock, agree=kw.pop("agree", None))
+    return measure_gains(clock.runners, device="cpu", steps=Steps(warmup_steps=2, window_steps=10), rule=rule,
+                         pairs=pairs, hooks=hooks, **kw)
 
 
 def test_a_plan_stops_once_its_interval_is_narrow():
@@ -126,9 +127,9 @@ def test_every_runner_sees_the_same_batch_sequence_even_when_plans_stop_at_diffe
         scale = 1.0 + (clock.rng.normal(0.0, clock_noise[name]) if name in clock_noise else 0.0)
         return [t * max(scale, 0.3) for t in out]
 
-    res = measure_gains(clock.runners, device="cpu", warmup_steps=3, window_steps=5, start_step=7,
+    res = measure_gains(clock.runners, device="cpu", steps=Steps(warmup_steps=3, window_steps=5, start_step=7),
                         rule=StopRule(min_windows=3, max_windows=9), pairs={"fast": "base", "noisy": "base"},
-                        window=window)
+                        hooks=ProtocolHooks(window=window))
     assert res.gains["fast"].windows == 3 and res.gains["noisy"].windows == 9 and res.rounds == 9
     longest = clock.calls["base"]
     assert longest == list(range(7, 7 + 3 + 9 * 5))

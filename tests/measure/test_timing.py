@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from erase_tune.measure import Timings, time_interleaved
-from erase_tune.measure.timing import interleave
+from erase_tune.measure.timing import Steps, interleave
 
 
 def _recording_runners(names, calls):
@@ -119,7 +119,8 @@ def _schedule(names, order, windows):
     def window(step, first, count, device):
         return [float(step(first + k) is None) for k in range(count)]
 
-    interleave(runners, window, device=torch.device("cpu"), warmup_steps=0, windows=windows, window_steps=1, order=order)
+    interleave(runners, window, device=torch.device("cpu"), steps=Steps(warmup_steps=0, window_steps=1), windows=windows,
+               order=order)
     return [calls[i:i + len(names)] for i in range(0, len(calls), len(names))]
 
 
@@ -153,8 +154,8 @@ def test_after_round_drops_runners_and_after_warmup_runs_once_before_the_first_w
         events.append(("round", round_index, sorted(got)))
         return {"A", "B"} if round_index == 0 else {"A"}  # C leaves after round 0, B after round 1
 
-    samples, labels = interleave(runners, window, device=torch.device("cpu"), warmup_steps=1, windows=5,
-                                 window_steps=2, after_warmup=lambda: events.append(("warm", len(calls))),
+    samples, labels = interleave(runners, window, device=torch.device("cpu"), windows=5,
+                                 steps=Steps(warmup_steps=1, window_steps=2), after_warmup=lambda: events.append(("warm", len(calls))),
                                  after_round=after_round)
     assert events[0] == ("warm", 3)  # every runner's warm-up step, then the hook
     assert [e[2] for e in events[1:]] == [["A", "B", "C"], ["A", "B"], ["A"], ["A"], ["A"]]
@@ -162,9 +163,9 @@ def test_after_round_drops_runners_and_after_warmup_runs_once_before_the_first_w
     for name in "ABC":  # the ones that left saw a prefix of the same step indices
         assert [i for n, i in calls if n == name] == list(range(1 + len(labels[name])))
     with pytest.raises(ValueError, match="did not run"):
-        interleave(runners, window, device=torch.device("cpu"), warmup_steps=0, windows=3, window_steps=1,
+        interleave(runners, window, device=torch.device("cpu"), steps=Steps(warmup_steps=0, window_steps=1), windows=3,
                    after_round=lambda r, got: {"A"} if r == 0 else {"A", "B"})
     # A hook that names no runner ends the rounds.
-    _, labels = interleave(runners, window, device=torch.device("cpu"), warmup_steps=0, windows=9, window_steps=1,
-                           after_round=lambda r, got: set())
+    _, labels = interleave(runners, window, device=torch.device("cpu"), steps=Steps(warmup_steps=0, window_steps=1),
+                           windows=9, after_round=lambda r, got: set())
     assert labels == {"A": [0], "B": [0], "C": [0]}

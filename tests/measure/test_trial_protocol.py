@@ -12,11 +12,11 @@ import pytest
 import torch
 from torch import nn
 
-from erase_tune.measure.confirm import confirm_plans
+from erase_tune.measure.confirm import ConfirmWindows, confirm_plans
 from erase_tune.errors import EraseTuneError
 from erase_tune.measure.protocol import STOPS
 from erase_tune.runtime import Cut, ErasePlan, Graphed, Placement
-from erase_tune.measure.trial import EXACT_RTOL, Budget, Variant, gradient_difference, run_trial
+from erase_tune.measure.trial import EXACT_RTOL, Budget, Ranking, Variant, gradient_difference, run_trial
 from erase_tune.workloads import Workload
 from tests.host_index import workload
 
@@ -112,7 +112,7 @@ def test_a_trial_behind_its_race_bound_stops_at_the_minimum():
     # A bound no plan can reach, and an interval no two windows can narrow to (±0.01%). (Not +1000%:
     # on two shared cores one CPU window of the baseline can stall 100-fold, and two windows' t is 12.7.)
     budget = dataclasses.replace(BUDGET, max_windows=6, halfwidth=1e-4)
-    result = run_trial(workload(), CUT, budget, device="cpu", stop_below=1e9)
+    result = run_trial(workload(), CUT, budget, device="cpu", ranking=Ranking(stop_below=1e9))
     assert result.stopped == "behind" and result.windows == budget.windows and result.gain_hi < 1e9
     assert result.provenance["stop_below"] == 1e9
 
@@ -214,13 +214,14 @@ def test_gain_over_and_stop_below_refusals():
                         ({"gain_over": "lazy"}, "gain_over: 'lazy' is not one of eager, graph"),
                         ({"stop_below": float("inf")}, "stop_below: inf must be a finite gain or None")):
         with pytest.raises(EraseTuneError) as e:
-            run_trial(workload(), CUT, BUDGET, device="cpu", **kw)
+            run_trial(workload(), CUT, BUDGET, device="cpu", ranking=Ranking(**kw))
         assert str(e.value) == message
 
 
 def test_confirmation_reports_windows_and_why_it_stopped():
     plans = {"cut": CUT, "placed": PLACED, "same": ErasePlan()}
-    res = confirm_plans(workload(), plans, budget=BUDGET, windows=2, max_windows=4, halfwidth=0.5, device="cpu")
+    res = confirm_plans(workload(), plans, budget=BUDGET, device="cpu",
+                        timing=ConfirmWindows(windows=2, max_windows=4, halfwidth=0.5))
     for name in ("cut", "placed"):
         c = res.plans[name]
         assert 2 <= c.windows <= 4 and c.stopped in ("narrow", "cap") and len(c.per_window) == c.windows
@@ -231,7 +232,8 @@ def test_confirmation_reports_windows_and_why_it_stopped():
     assert res.windows == max(res.plans[n].windows for n in ("cut", "placed"))
     assert set(res.samples) == {"baseline", "cut", "placed"}
     assert res.provenance["max_windows"] == 4 and res.provenance["halfwidth"] == 0.5
-    only_baseline = confirm_plans(workload(), {"same": ErasePlan()}, budget=BUDGET, windows=2, device="cpu")
+    only_baseline = confirm_plans(workload(), {"same": ErasePlan()}, budget=BUDGET, timing=ConfirmWindows(windows=2),
+                                  device="cpu")
     # Nothing timed: the baseline's confirmation counts as one of the windows asked for.
     assert only_baseline.windows == 2 and only_baseline.samples == {} and only_baseline.plans["same"].is_baseline
 
@@ -243,7 +245,7 @@ def test_confirmation_reports_windows_and_why_it_stopped():
 ])
 def test_confirmation_refusals(kw, message):
     with pytest.raises(EraseTuneError) as e:
-        confirm_plans(workload(), {"cut": CUT}, budget=BUDGET, device="cpu", **kw)
+        confirm_plans(workload(), {"cut": CUT}, budget=BUDGET, device="cpu", timing=ConfirmWindows(**kw))
     assert str(e.value).startswith(message)
 
 

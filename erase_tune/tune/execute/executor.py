@@ -69,6 +69,25 @@ def resolve_address(address: str | None) -> str | None:
     return address or env_text("RAY_ADDRESS") or None
 
 
+def _start_ray(ray: Any, address: str | None, env: dict[str, Any]) -> None:
+    """Join the Ray cluster at ``address``, or start a new local one (its child processes reaped
+    when this process exits); one line saying why not."""
+    try:
+        if address:
+            ray.init(address=address, runtime_env=env or None, log_to_driver=False, logging_level="error")
+        else:
+            # "local": always a new Ray, even if another cluster runs on this machine.
+            ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False,
+                     runtime_env=env or None, log_to_driver=False, logging_level="error",
+                     object_store_memory=256 * 1024**2)
+            from erase_tune.tune.execute.reaper import reap_children_on_exit
+
+            reap_children_on_exit()
+    except Exception as e:  # noqa: BLE001 - Ray raises anything from a bad address (AssertionError too)
+        where = f"at {address!r}" if address else "locally"
+        raise EraseTuneError(f"cannot start or join Ray {where}: {first_line(e)}") from None
+
+
 class RayExecutor:
     """Runs trial specs on warm worker groups, ``slots`` at a time."""
 
@@ -86,22 +105,8 @@ class RayExecutor:
             raise EraseTuneError(f"--slots: {slots} must be in 1..{MAX_SLOTS}")
         if address and address != "auto":
             _check_reachable(address)
-        env = dict(runtime_env or {})
         if not ray.is_initialized():
-            try:
-                if address:
-                    ray.init(address=address, runtime_env=env or None, log_to_driver=False, logging_level="error")
-                else:
-                    # "local": always a new Ray, even if another cluster runs on this machine.
-                    ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False,
-                             runtime_env=env or None, log_to_driver=False, logging_level="error",
-                             object_store_memory=256 * 1024**2)
-                    from erase_tune.tune.execute.reaper import reap_children_on_exit
-
-                    reap_children_on_exit()
-            except Exception as e:  # noqa: BLE001 - Ray raises anything from a bad address (AssertionError too)
-                where = f"at {address!r}" if address else "locally"
-                raise EraseTuneError(f"cannot start or join Ray {where}: {first_line(e)}") from None
+            _start_ray(ray, address, dict(runtime_env or {}))
             self._started_ray = True
         if on_ray_started is not None:
             on_ray_started()

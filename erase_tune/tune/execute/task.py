@@ -115,7 +115,7 @@ def run_spec(spec: TrialSpec, info: Callable[[], dict[str, Any]] = dict, process
 
     def work() -> Any:
         from erase_tune.runtime import ErasePlan
-        from erase_tune.measure.trial import Budget, run_trial
+        from erase_tune.measure.trial import Budget, Ranking, run_trial
         from erase_tune.workloads import get_workload
 
         plan = ErasePlan.from_dict(dict(spec.plan))
@@ -123,7 +123,7 @@ def run_spec(spec: TrialSpec, info: Callable[[], dict[str, Any]] = dict, process
         marks["ready"] = time.time()
         return run_trial(workload, plan, Budget(**spec.budget), device=spec.device, baseline_ne=spec.baseline_ne,
                          process_group=process_group, reference_error=spec.reference_error,
-                         gain_over=spec.gain_over, stop_below=spec.stop_below)
+                         ranking=Ranking(gain_over=spec.gain_over, stop_below=spec.stop_below))
 
     marks: dict[str, float] = {}
     result, failure, worker = _run(work, marks, info)
@@ -135,7 +135,7 @@ def run_confirm(spec: ConfirmSpec, info: Callable[[], dict[str, Any]] = dict,
     """Run one confirmation; never raises for its own failure."""
 
     def work() -> Any:
-        from erase_tune.measure.confirm import confirm_plans
+        from erase_tune.measure.confirm import ConfirmWindows, confirm_plans
         from erase_tune.runtime import ErasePlan
         from erase_tune.measure.trial import Budget
         from erase_tune.workloads import get_workload
@@ -145,8 +145,8 @@ def run_confirm(spec: ConfirmSpec, info: Callable[[], dict[str, Any]] = dict,
         marks["ready"] = time.time()
         if spec.task != "speed":
             return _quality_or_noise(spec, workload, plans, process_group)
-        return confirm_plans(workload, plans, budget=Budget(**spec.budget), windows=spec.windows,
-                             max_windows=spec.max_windows, halfwidth=spec.halfwidth, gain_over=spec.gain_over,
+        timing = ConfirmWindows(windows=spec.windows, max_windows=spec.max_windows, halfwidth=spec.halfwidth)
+        return confirm_plans(workload, plans, budget=Budget(**spec.budget), timing=timing, gain_over=spec.gain_over,
                              device=spec.device, process_group=process_group)
 
     marks: dict[str, float] = {}
@@ -157,7 +157,7 @@ def run_confirm(spec: ConfirmSpec, info: Callable[[], dict[str, Any]] = dict,
 def _quality_or_noise(spec: ConfirmSpec, workload: Any, plans: Mapping[str, Any], process_group: Any) -> Any:
     """The ``quality`` and ``noise`` tasks of a :class:`ConfirmSpec` (erase_tune.measure.noise)."""
     from erase_tune.errors import EraseTuneError
-    from erase_tune.measure.noise import confirm_quality, measure_noise_floor
+    from erase_tune.measure.noise import QualitySettings, confirm_quality, measure_noise_floor
     from erase_tune.measure.trial import Budget
 
     budget = Budget(**spec.budget)
@@ -167,8 +167,9 @@ def _quality_or_noise(spec: ConfirmSpec, workload: Any, plans: Mapping[str, Any]
         return measure_noise_floor(workload, budget, repeats=budget.noise_repeats, device=spec.device,
                                    graph=None if budget.reference else False, process_group=process_group)
     if spec.task == "quality":
-        return confirm_quality(workload, plans, budget=budget, scale=budget.quality_scale, seeds=budget.quality_seeds,
-                               band=spec.band, device=spec.device, process_group=process_group, exact=spec.exact)
+        settings = QualitySettings(scale=budget.quality_scale, seeds=budget.quality_seeds, band=spec.band)
+        return confirm_quality(workload, plans, budget=budget, settings=settings, device=spec.device,
+                               process_group=process_group, exact=spec.exact)
     raise EraseTuneError(f"confirmation task {spec.task!r} is not one of {', '.join(CONFIRM_TASKS)}")
 
 

@@ -64,7 +64,7 @@ from erase_tune.tune.run.confirm import (
 )
 from erase_tune.tune.run import check
 from erase_tune.tune.run.journal import Journal
-from erase_tune.tune.run.loop import HEARTBEAT_S, Loop, Progress
+from erase_tune.tune.run.loop import HEARTBEAT_S, Loop, LoopBooks, LoopSpace, Progress
 from erase_tune.tune.run.record import Recorder
 from erase_tune.tune.search.space import SearchSpace
 from erase_tune.tune.search.space_file import MAX_TRIALS
@@ -219,15 +219,8 @@ def start_job(
     asks of the process it runs in (``erase-tune start`` changes the process there)."""
     began = time.monotonic()
     space = with_quality(SearchSpace.load(space_path), what.quality_scale, what.quality_seeds)
-    # Absolute, and now: export re-reads the space's relative py_modules against its directory,
-    # from anywhere; and a Ray job's working directory may be gone once Ray has started.
-    space_abspath = os.path.abspath(space_path)
     module = module_of(space.workload)
-    name = what.study_name if what.study_name is not None else Path(space_path).stem
-    if not name.strip():
-        raise EraseTuneError("--study: the study name must not be empty")
-    if problem := name_problem(name):  # status/export must be able to type it back
-        raise EraseTuneError(f"--study: the study name {shown(name)} {problem}")
+    name = _study_name(what, space_path)
     url = where.storage if where.storage is not None else default_storage_url()
     parse_url(url)  # a malformed URL is refused before Ray starts
     target = what.trials if what.trials is not None else space.trials  # the space file checks its own
@@ -245,52 +238,19 @@ def start_job(
         executor.wait_ready()
         db = open_storage(url, heartbeat_interval=HEARTBEAT_S, grace_period=patience.grace_period_s)
         try:
-            with db.lock(f"study:{name}"):  # a study of another workload is refused before anything runs
-                _check_resumable(open_study(db.optuna, name), space, name)
-                # The job exists (running) before the minutes of set-up below, so that a job
-                # stopped during them is marked as such, like one stopped in its loop.
-                db.store.create_job(study_name=name, space_path=space_abspath, space_yaml=space.text,
-                                    workload=space.workload, settings={"trials": target}, n_trials_target=target,
-                                    get_or_create=True)
-                db.store.set_job_status(name, "running", n_trials_target=target)
+            # Absolute, and now: export re-reads the space's relative py_modules against its directory,
+            # from anywhere; and a Ray job's working directory may be gone once Ray has started.
+            job = _Job(db=db, name=name, space_path=os.path.abspath(space_path), target=target, executor=executor)
+            _create_job(job, space)
             # The first line of a job that runs (a refusal before this point is its one error line).
             log.info("workload %s: code from module %s runs here and on the workers (a space file is trusted like "
                      "a script)", space.workload, module)
-            try:
-                original = space
-                space, reference_error, cost = _preflight(db, space, name, executor)
-                if reference_error is not None:
-                    dropped = "; its whole_step_graph: true choice is dropped" if True in original.whole_step_graph \
-                        else ""
-                    log.info("whole-step CUDA graph: this model's step cannot be captured whole (%s): trials run "
-                             "without the graph reference%s", reference_error, dropped)
-                with db.lock(f"study:{name}"):
-                    floor = open_study(db.optuna, name).user_attrs.get(Attr.NOISE_FLOOR)
-                band = float(floor["band"]) if floor else 0.0
-                loop = _set_up(db, space, name, space_abspath, target, checked, executor, on_progress,
-                               reference_error, band)
-            except BaseException as e:
-                _mark_stopped(db, name, e)
-                raise
-            if floor and db.store.noise_floor(loop.recorder.job) is None:
-                # A resume after a driver stopped between storing the attr and the row.
-                db.store.record_noise_floor(loop.recorder.job, floor)
-            if floor:
-                log.info("noise floor of the NE gap: ±%.3f%% (a gap above the budget by less is not infeasible)",
-                         100 * band)
-            elif space.may_detach and space.budget.noise_repeats:
-                loop.floor_due = lambda: _lazy_floor(db, space, name, executor, loop)
+            space, loop, cost = _prepare_loop(job, space, checked, on_progress)
             estimate = _estimate(space, cost, target, loop, what)
             if estimate is not None:
                 log.info("estimate: %s", estimate)
             if what.time_budget_s is not None:
-                loop.deadline = began + what.time_budget_s
-                loop.reserve_s = _confirm_reserve(space, cost, what.confirm_windows)
-                if cost is not None:
-                    b = space.budget
-                    loop.first_trial_s = trial_seconds(cost, variants=3, warmup_steps=b.warmup_steps,
-                                                       window_steps=b.window_steps, windows=b.max_windows,
-                                                       ne_steps=2 * b.quality_steps)
+                _set_deadline(loop, space, cost, began + what.time_budget_s, what.confirm_windows)
             summary = dataclasses.replace(_run(db, loop, space, name, executor, what.confirm_windows, cost),
                                           estimate=estimate)
         finally:
@@ -298,6 +258,84 @@ def start_job(
     finally:
         executor.close()
     return summary
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Job:
+    """What every step of a job's set-up works on: its storage, study, space file (absolute),
+    trial target and executor."""
+
+    db: Any
+    name: str
+    space_path: str
+    target: int
+    executor: RayExecutor
+
+
+def _study_name(what: JobSpec, space_path: str | Path) -> str:
+    """The study's name (``--study``, else the space file's stem), checked."""
+    name = what.study_name if what.study_name is not None else Path(space_path).stem
+    if not name.strip():
+        raise EraseTuneError("--study: the study name must not be empty")
+    if problem := name_problem(name):  # status/export must be able to type it back
+        raise EraseTuneError(f"--study: the study name {shown(name)} {problem}")
+    return name
+
+
+def _create_job(job: _Job, space: SearchSpace) -> None:
+    """The job's row, running, made before the minutes of set-up (so that a job stopped during
+    them is marked as such, like one stopped in its loop); a study of another workload is
+    refused before anything runs."""
+    db, name, target = job.db, job.name, job.target
+    with db.lock(f"study:{name}"):
+        _check_resumable(open_study(db.optuna, name), space, name)
+        db.store.create_job(study_name=name, space_path=job.space_path, space_yaml=space.text,
+                            workload=space.workload, settings={"trials": target}, n_trials_target=target,
+                            get_or_create=True)
+        db.store.set_job_status(name, "running", n_trials_target=target)
+
+
+def _prepare_loop(job: _Job, space: SearchSpace, checked: BoundSpace,
+                  on_progress: Callable[[Progress], None]) -> tuple[SearchSpace, Loop, StepCost | None]:
+    """The preflight (the graph reference tried, the step's cost measured), the study's noise
+    floor and the trial loop set up: the space as the preflight narrowed it, the loop and the
+    cost. A failure before the loop exists marks the job stopped."""
+    db, name = job.db, job.name
+    try:
+        original = space
+        space, reference_error, cost = _preflight(db, space, name, job.executor)
+        if reference_error is not None:
+            dropped = "; its whole_step_graph: true choice is dropped" if True in original.whole_step_graph else ""
+            log.info("whole-step CUDA graph: this model's step cannot be captured whole (%s): trials run "
+                     "without the graph reference%s", reference_error, dropped)
+        with db.lock(f"study:{name}"):
+            floor = open_study(db.optuna, name).user_attrs.get(Attr.NOISE_FLOOR)
+        band = float(floor["band"]) if floor else 0.0
+        loop = _set_up(job, space, checked, on_progress, reference_error, band)
+    except BaseException as e:
+        _mark_stopped(db, name, e)
+        raise
+    if floor and db.store.noise_floor(loop.recorder.job) is None:
+        # A resume after a driver stopped between storing the attr and the row.
+        db.store.record_noise_floor(loop.recorder.job, floor)
+    if floor:
+        log.info("noise floor of the NE gap: ±%.3f%% (a gap above the budget by less is not infeasible)", 100 * band)
+    elif space.may_detach and space.budget.noise_repeats:
+        loop.floor_due = lambda: _lazy_floor(db, space, name, job.executor, loop)
+    return space, loop, cost
+
+
+def _set_deadline(loop: Loop, space: SearchSpace, cost: StepCost | None, deadline: float,
+                  confirm_windows: int | None) -> None:
+    """The loop's time budget: its deadline, the time kept for the confirmation and, where the
+    step's cost is known, what the first trial is expected to take."""
+    loop.deadline = deadline
+    loop.reserve_s = _confirm_reserve(space, cost, confirm_windows)
+    if cost is not None:
+        b = space.budget
+        loop.first_trial_s = trial_seconds(cost, variants=3, warmup_steps=b.warmup_steps,
+                                           window_steps=b.window_steps, windows=b.max_windows,
+                                           ne_steps=2 * b.quality_steps)
 
 
 def _mark_stopped(db: Any, name: str, e: BaseException) -> None:
@@ -447,9 +485,9 @@ def _confirm_windows(space: SearchSpace, cost: StepCost | None, windows: int, se
     return max(windows, min(cap, int(spare / per_window) if per_window > 0 else cap))
 
 
-def _set_up(db: Any, space: SearchSpace, name: str, space_path: str, target: int, checked: BoundSpace,
-            executor: RayExecutor, on_progress: Callable[[Progress], None], reference_error: str | None = None,
-            band: float = 0.0) -> Loop:
+def _set_up(job: _Job, space: SearchSpace, checked: BoundSpace, on_progress: Callable[[Progress], None],
+            reference_error: str | None = None, band: float = 0.0) -> Loop:
+    db, name, target, executor = job.db, job.name, job.target, job.executor
     workload_attr = {"name": space.workload, "args": dict(space.workload_args)}
     checked = checked.rebind(space)  # the space as narrowed by the graph reference
     with db.lock(f"study:{name}"):
@@ -462,22 +500,23 @@ def _set_up(db: Any, space: SearchSpace, name: str, space_path: str, target: int
         if not study.get_trials(deepcopy=False):
             for seed_name, params in checked.seeds:
                 study.enqueue_trial(params, user_attrs={Attr.SEED_NAME: seed_name})
-        job = db.store.create_job(study_name=name, space_path=space_path, space_yaml=space.text,
-                                  workload=space.workload, settings={"trials": target}, n_trials_target=target,
-                                  get_or_create=True)
-        job = db.store.set_job_status(name, "running", n_trials_target=target)
+        db.store.create_job(study_name=name, space_path=job.space_path, space_yaml=space.text,
+                            workload=space.workload, settings={"trials": target}, n_trials_target=target,
+                            get_or_create=True)
+        row = db.store.set_job_status(name, "running", n_trials_target=target)
         seed = None if space.sampler_seed is None else space.sampler_seed + 1_000_003 * drivers
         study.sampler = make_sampler(space.sampler, seed, max_ne_gap=space.max_ne_gap + band,
                                      plan_key=checked.key)
-        recorder = Recorder(study=study, storage=db, job=job, space=space)
+        recorder = Recorder(study=study, storage=db, job=row, space=space)
         recorder.band = band
         journal = Journal(db.url, name)
         for entry in journal.entries():  # outcomes a driver measured but could not store
             recorder.record(entry.trial_number, entry.plan_key, entry.outcome, entry.attempts)
             journal.remove(entry.trial_number)
-    return Loop(space=space, study=study, storage=db, executor=executor, recorder=recorder, journal=journal,
-                checked=checked, target=target, max_failures=max(3, target), on_progress=on_progress,
-                reference_error=reference_error, screen=Screen(checked) if space.screen else None)
+    return Loop(what=LoopSpace(space=space, checked=checked, screen=Screen(checked) if space.screen else None,
+                               reference_error=reference_error),
+                books=LoopBooks(study=study, storage=db, recorder=recorder, journal=journal),
+                executor=executor, target=target, max_failures=max(3, target), on_progress=on_progress)
 
 
 def _run(db: Any, loop: Loop, space: SearchSpace, name: str, executor: RayExecutor,

@@ -51,7 +51,7 @@ from erase_tune.tune.search.space import SearchSpace
 from erase_tune.tune.search.study import Attr, FrontPoint, measured, pareto_front
 from erase_tune.tune.execute.task import TrialSpec
 
-__all__ = ["Progress", "Loop", "HEARTBEAT_S", "MAX_INFRA_RETRIES", "SYSTEMATIC_FAILURES", "systematic_failure"]
+__all__ = ["Progress", "Loop", "LoopSpace", "LoopBooks", "HEARTBEAT_S", "MAX_INFRA_RETRIES", "SYSTEMATIC_FAILURES", "systematic_failure"]
 
 log = logging.getLogger(__name__)
 
@@ -96,19 +96,40 @@ class _Inflight:
     attempts: int = 1
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoopSpace:
+    """What a :class:`Loop` searches: the space, bound to the model, its structural screen
+    (None: off) and why the whole-step-graph reference cannot be captured (None: it can)."""
+
+    space: SearchSpace
+    checked: BoundSpace
+    screen: Screen | None = None
+    reference_error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoopBooks:
+    """Where a :class:`Loop` keeps its results: the study, its storage, the recorder that writes
+    outcomes and the journal of outcomes not yet stored."""
+
+    study: optuna.Study
+    storage: Storage
+    recorder: Recorder
+    journal: Journal
+
+
 class Loop:
     """One driver's loop over one job (see the module docstring)."""
 
-    def __init__(self, *, space: SearchSpace, study: optuna.Study, storage: Storage, executor: RayExecutor,
-                 recorder: Recorder, journal: Journal, checked: BoundSpace, target: int, max_failures: int,
-                 on_progress: Callable[[Progress], None], reference_error: str | None = None,
-                 screen: Screen | None = None) -> None:
-        self.space, self.study, self.storage, self.executor = space, study, storage, executor
-        self.screen = screen
+    def __init__(self, *, what: LoopSpace, books: LoopBooks, executor: RayExecutor, target: int, max_failures: int,
+                 on_progress: Callable[[Progress], None]) -> None:
+        self.space, self.checked = what.space, what.checked
+        self.study, self.storage, self.recorder, self.journal = books.study, books.storage, books.recorder, books.journal
+        self.executor = executor
+        self.screen = what.screen
         """The structural screen whose plans are enqueued before the sampler proposes; None: off."""
-        self.recorder, self.journal, self.checked = recorder, journal, checked
         self.target, self.max_failures, self.on_progress = target, max_failures, on_progress
-        self.reference_error = reference_error
+        self.reference_error = what.reference_error
         """Why the whole-step-graph reference cannot be captured (trials leave it out), or None."""
         self.inflight: list[_Inflight] = []
         self.stopped: str | None = None

@@ -162,21 +162,8 @@ class BoundSpace:
         unknown = sorted((set(cut_of) | set(place_of) | set(graph_of)) - set(candidates))
         if unknown:
             raise SpaceError(f"{unknown[0]!r} is not among the space's candidates ({', '.join(candidates)})")
-        params: dict[str, Any] = {}
-
-        def fix(name: str, value: Any, choices: Sequence[Any]) -> None:
-            if value not in choices:
-                raise SpaceError(f"{name}: {value!r} is not one of the space's choices {list(choices)}")
-            if len(choices) > 1:
-                params[name] = value
-
-        def stream(name: str, value: int, low: int) -> None:
-            if s.streams == "round_robin":
-                return  # not a parameter: the stream follows from the candidate
-            if not low <= value <= s.max_streams:
-                raise SpaceError(f"{name}: {value} is outside the space's streams {low}..{s.max_streams}")
-            params[name] = value
-
+        params = _Params(s)
+        fix, stream = params.fix, params.stream
         fix("whole_step_graph", plan.whole_step_graph, s.whole_step_graph)
         used: list[str] = []
         for c in candidates:
@@ -197,22 +184,15 @@ class BoundSpace:
                 stream(f"{c}.place_stream", placed.stream, 1)
             if graphed is not None and s.max_streams:
                 stream(f"{c}.graph_stream", graphed.stream, 0)
-            if cut is None:
-                continue
-            if s.max_streams:
-                stream(f"{c}.stream", cut.stream, 0)
-            low, high, _ = s.aux_weight
-            if low < high:
-                if not low <= cut.aux_weight <= high:
-                    raise SpaceError(f"{c}.aux_weight: {cut.aux_weight} is outside [{low}, {high}]")
-                params[f"{c}.aux_weight"] = cut.aux_weight
+            if cut is not None:
+                params.cut(cut)
         if plan.cuts and not plan.whole_step_graph:
             fix("dispatch", plan.dispatch, s.dispatch)
             if plan.dispatch != "deferred":
                 for cut in plan.cuts:
                     fix(f"{cut.module}.graph", cut.graph, s.graph)
         fix("find_unused_parameters", plan.find_unused_parameters, s.find_unused_parameters)
-        return params
+        return params.values
 
     # -- parameters -> canonical plan, for the sampler ---------------------------------------
 
@@ -237,6 +217,40 @@ class BoundSpace:
 
 def _choose(trial: Any, name: str, choices: Sequence[Any]) -> Any:
     return trial.suggest_categorical(name, list(choices)) if len(choices) > 1 else choices[0]
+
+
+class _Params:
+    """The trial parameters :meth:`BoundSpace.params` fixes for a plan, each value checked
+    against the space's choices (a choice with one option is no parameter)."""
+
+    def __init__(self, space: SearchSpace) -> None:
+        self.space = space
+        self.values: dict[str, Any] = {}
+
+    def fix(self, name: str, value: Any, choices: Sequence[Any]) -> None:
+        if value not in choices:
+            raise SpaceError(f"{name}: {value!r} is not one of the space's choices {list(choices)}")
+        if len(choices) > 1:
+            self.values[name] = value
+
+    def stream(self, name: str, value: int, low: int) -> None:
+        s = self.space
+        if s.streams == "round_robin":
+            return  # not a parameter: the stream follows from the candidate
+        if not low <= value <= s.max_streams:
+            raise SpaceError(f"{name}: {value} is outside the space's streams {low}..{s.max_streams}")
+        self.values[name] = value
+
+    def cut(self, cut: Cut) -> None:
+        """A cut's stream and auxiliary loss weight, where the space lets them vary."""
+        c, s = cut.module, self.space
+        if s.max_streams:
+            self.stream(f"{c}.stream", cut.stream, 0)
+        low, high, _ = s.aux_weight
+        if low < high:
+            if not low <= cut.aux_weight <= high:
+                raise SpaceError(f"{c}.aux_weight: {cut.aux_weight} is outside [{low}, {high}]")
+            self.values[f"{c}.aux_weight"] = cut.aux_weight
 
 
 class _Completing:

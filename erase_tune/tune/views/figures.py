@@ -12,9 +12,10 @@ Values are fractions (``0.093`` is a 9.3% gain); the axes print them as percenta
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import matplotlib
 
@@ -117,16 +118,61 @@ def pareto_figure(records: Sequence[TrialRecord], front: Sequence[TrialRecord], 
     plans often lose several times the budget in NE, which would squash the band where the
     choice is made into a sliver of the first panel.
     """
-    measured = [r for r in records if r.measured]
-    front_numbers = {p.number for p in front}
-    feas = [r for r in measured if r.feasible and r.number not in front_numbers]
-    infeas = [r for r in measured if not r.feasible]
-    paper = [r for r in measured if r.seed_name == "paper"]
-    gains = [r.qps_gain for r in measured] + [0.0]
-    x_span = (max(gains) - min(gains)) or 0.1
+    pareto = _Pareto(measured=[r for r in records if r.measured], front=list(front), max_ne_gap=max_ne_gap,
+                     gain_over=gain_over, noise_band=noise_band)
+    measured = pareto.measured
 
-    def panel(ax, y_lo: float, y_hi: float, legend: bool) -> None:
-        xs, ys = _staircase(front, max_ne_gap)
+    def draw(fig: Figure) -> None:
+        top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[2, 3])
+        gaps = [r.ne_gap for r in measured] + [0.0, max_ne_gap + noise_band, -noise_band]
+        span = (max(gaps) - min(gaps)) or max(abs(max_ne_gap), 0.01)
+        pareto.panel(top, min(gaps) - 0.06 * span, max(gaps) + 0.1 * span, legend=True)
+        top.set_title("all measured plans", fontsize=9, loc="left")
+        within = [r.ne_gap for r in measured if r.feasible] + [0.0, max_ne_gap, -noise_band]
+        top_gap = max_ne_gap + noise_band
+        band = (top_gap - min(within)) or max(abs(max_ne_gap), 0.01)
+        pareto.panel(bottom, min(within) - 0.08 * band, top_gap + 0.12 * band, legend=False)
+        bottom.set_title("within the NE budget (zoomed)", fontsize=9, loc="left")
+        bottom.set_xlabel(f"qps_gain: p90 QPS gain over the {gain_over} baseline (maximize)")
+        if not measured:
+            _empty(top, "no measured trial yet")
+        fig.suptitle("Pareto front: QPS gain against NE gap", fontsize=10)
+        fig.legend(loc="outside right upper")  # beside the axes: a legend inside would hide points
+
+    return _draw(draw, 11.0, 7.5)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Pareto:
+    """What a panel of :func:`pareto_figure` shows: the measured trials, the front within the
+    budget, the budget, the baseline and the noise floor."""
+
+    measured: list[TrialRecord]
+    front: list[TrialRecord]
+    max_ne_gap: float
+    gain_over: str
+    noise_band: float
+
+    def panel(self, ax: Any, y_lo: float, y_hi: float, legend: bool) -> None:
+        """One panel: the NE gaps from ``y_lo`` to ``y_hi`` (``legend``: label its artists)."""
+        self._areas(ax, y_hi, legend)
+        self._points(ax, legend)
+        gains = [r.qps_gain for r in self.measured] + [0.0]
+        x_span, y_span = (max(gains) - min(gains)) or 0.1, y_hi - y_lo
+        inside = [r for r in self.measured if y_lo <= r.ne_gap <= y_hi]
+        _labels(ax, [(p.qps_gain, p.ne_gap, f"#{p.number}") for p in self.front if y_lo <= p.ne_gap <= y_hi],
+                color=_FRONT, offset=(6, 4), x_span=x_span, y_span=y_span)
+        _labels(ax, [(r.qps_gain, r.ne_gap, f"{r.seed_name} #{r.number}") for r in inside if r.seed_name],
+                color="#555555", offset=(7, -11), x_span=x_span, y_span=y_span)
+        ax.set_ylim(y_lo, y_hi)
+        _pct(ax.xaxis)
+        _pct(ax.yaxis)
+        ax.set_ylabel("ne_gap (minimize)")
+
+    def _areas(self, ax: Any, y_hi: float, legend: bool) -> None:
+        """The area the front dominates, the region over the budget, the budget and the noise floor."""
+        max_ne_gap, noise_band = self.max_ne_gap, self.noise_band
+        xs, ys = _staircase(self.front, max_ne_gap)
         if xs:
             ax.fill(xs, ys, color=_DOMINATED_AREA, zorder=0,
                     label="area the front dominates (its hypervolume)" if legend else None)
@@ -138,47 +184,25 @@ def pareto_figure(records: Sequence[TrialRecord], front: Sequence[TrialRecord], 
                        label=f"noise floor of the NE gap: \u00b1{noise_band:.2%}" if legend else None)
             ax.axhline(max_ne_gap + noise_band, color=_BUDGET, linestyle=":", linewidth=1,
                        label=f"budget + noise: {max_ne_gap + noise_band:.2%}" if legend else None)
+
+    def _points(self, ax: Any, legend: bool) -> None:
+        """The trials (feasible filled, infeasible hollow, the front red), the baseline and the paper's plan."""
+        front_numbers = {p.number for p in self.front}
+        feas = [r for r in self.measured if r.feasible and r.number not in front_numbers]
+        infeas = [r for r in self.measured if not r.feasible]
+        paper = [r for r in self.measured if r.seed_name == "paper"]
         ax.scatter([r.qps_gain for r in feas], [r.ne_gap for r in feas], s=28, color=_FEASIBLE, zorder=3,
                    label="within the budget" if legend else None)
         ax.scatter([r.qps_gain for r in infeas], [r.ne_gap for r in infeas], s=28, facecolors="none",
                    edgecolors=_INFEASIBLE, linewidths=1.2, zorder=3, label="over the budget" if legend else None)
-        ax.scatter([p.qps_gain for p in front], [p.ne_gap for p in front], s=60, color=_FRONT, zorder=4,
+        ax.scatter([p.qps_gain for p in self.front], [p.ne_gap for p in self.front], s=60, color=_FRONT, zorder=4,
                    edgecolors="white", linewidths=0.8, label="Pareto front within the budget" if legend else None)
         ax.scatter([0.0], [0.0], marker="P", s=110, color="black", zorder=5,
-                   label=f"baseline ({gain_over}): 0, 0" if legend else None)
+                   label=f"baseline ({self.gain_over}): 0, 0" if legend else None)
         if paper:
             ax.scatter([r.qps_gain for r in paper], [r.ne_gap for r in paper], marker="*", s=240,
                        facecolors="#ffbf00", edgecolors="black", linewidths=0.7, zorder=6,
                        label="the paper's configuration" if legend else None)
-        y_span = y_hi - y_lo
-        inside = [r for r in measured if y_lo <= r.ne_gap <= y_hi]
-        _labels(ax, [(p.qps_gain, p.ne_gap, f"#{p.number}") for p in front if y_lo <= p.ne_gap <= y_hi],
-                color=_FRONT, offset=(6, 4), x_span=x_span, y_span=y_span)
-        _labels(ax, [(r.qps_gain, r.ne_gap, f"{r.seed_name} #{r.number}") for r in inside if r.seed_name],
-                color="#555555", offset=(7, -11), x_span=x_span, y_span=y_span)
-        ax.set_ylim(y_lo, y_hi)
-        _pct(ax.xaxis)
-        _pct(ax.yaxis)
-        ax.set_ylabel("ne_gap (minimize)")
-
-    def draw(fig: Figure) -> None:
-        top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[2, 3])
-        gaps = [r.ne_gap for r in measured] + [0.0, max_ne_gap + noise_band, -noise_band]
-        span = (max(gaps) - min(gaps)) or max(abs(max_ne_gap), 0.01)
-        panel(top, min(gaps) - 0.06 * span, max(gaps) + 0.1 * span, legend=True)
-        top.set_title("all measured plans", fontsize=9, loc="left")
-        within = [r.ne_gap for r in measured if r.feasible] + [0.0, max_ne_gap, -noise_band]
-        top_gap = max_ne_gap + noise_band
-        band = (top_gap - min(within)) or max(abs(max_ne_gap), 0.01)
-        panel(bottom, min(within) - 0.08 * band, top_gap + 0.12 * band, legend=False)
-        bottom.set_title("within the NE budget (zoomed)", fontsize=9, loc="left")
-        bottom.set_xlabel(f"qps_gain: p90 QPS gain over the {gain_over} baseline (maximize)")
-        if not measured:
-            _empty(top, "no measured trial yet")
-        fig.suptitle("Pareto front: QPS gain against NE gap", fontsize=10)
-        fig.legend(loc="outside right upper")  # beside the axes: a legend inside would hide points
-
-    return _draw(draw, 11.0, 7.5)
 
 
 def hypervolume_figure(numbers: Sequence[int], history: Sequence[float], *, max_ne_gap: float) -> bytes:

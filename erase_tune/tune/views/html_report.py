@@ -166,6 +166,14 @@ def _noise_text(facts: StudyFacts) -> str:
 
 def _page(facts: StudyFacts, records: Sequence[TrialRecord], front: Sequence[TrialRecord], history: Sequence[float],
           importance: Importance, pngs: dict[str, bytes]) -> str:
+    parts = [*_head(facts, records, history), *_front_section(records, front, pngs["pareto_front"]),
+             *_screen_section(records), *_figures_section(importance, pngs), *_failed_section(records),
+             "</body></html>\n"]
+    return "\n".join(parts)
+
+
+def _head(facts: StudyFacts, records: Sequence[TrialRecord], history: Sequence[float]) -> list[str]:
+    """The page's head, what the job searched for, and the study's facts."""
     e = html.escape
     over = facts.gain_over
     budget = facts.max_ne_gap
@@ -202,12 +210,19 @@ def _page(facts: StudyFacts, records: Sequence[TrialRecord], front: Sequence[Tri
                 for r in records if r.seed_name) or "-"],
             ["hypervolume within the budget", f"{final_hv * 1e4:.1f} (QPS-gain % \u00d7 NE-gap %)"],
         ]),
+    ]
+    return parts
+
+
+def _front_section(records: Sequence[TrialRecord], front: Sequence[TrialRecord], png: bytes) -> list[str]:
+    """The Pareto front: its figure and the table of the front within the NE budget."""
+    parts = [
         "<h2>Pareto front</h2>",
         '<p class="what">Each dot is a measured plan at its QPS gain and NE gap (the lower panel zooms into the NE '
         "budget); the red ones are the best trade-offs within the budget (no other plan within it is both faster "
         "and closer in NE), the dashed line is the budget, the cross is the baseline and the star the paper's "
         "configuration.</p>",
-        _img(pngs["pareto_front"], "Pareto front: qps_gain against ne_gap"),
+        _img(png, "Pareto front: qps_gain against ne_gap"),
         "<h3>The front within the NE budget</h3>",
     ]
     if front:
@@ -222,6 +237,12 @@ def _page(facts: StudyFacts, records: Sequence[TrialRecord], front: Sequence[Tri
         parts.append("<p>No measured plan is within the NE budget"
                      + (f" (the smallest NE gap measured is {_pct(closest)})" if closest is not None else "")
                      + ".</p>")
+    return parts
+
+
+def _screen_section(records: Sequence[TrialRecord]) -> list[str]:
+    """The structural screen's trials, if it ran."""
+    parts: list[str] = []
     screened = [r for r in records if r.phase in (SINGLE, UNION) and r.duplicate_of is None and r.state != "WAITING"]
     if screened:
         parts += [
@@ -235,6 +256,13 @@ def _page(facts: StudyFacts, records: Sequence[TrialRecord], front: Sequence[Tri
                      (_pct(r.ne_gap) + ("" if r.feasible else ", over the budget")) if r.measured else "-"]
                     for r in screened], numeric=(0, 3, 4)),
         ]
+    return parts
+
+
+def _figures_section(importance: Importance, pngs: dict[str, bytes]) -> list[str]:
+    """The hypervolume, QPS spread and parameter importance figures."""
+    e = html.escape
+    parts: list[str] = []
     parts += [
         "<h2>Hypervolume</h2>",
         '<p class="what">The area of (QPS gain, NE gap) the plans found so far dominate, counted from the baseline\'s '
@@ -252,6 +280,12 @@ def _page(facts: StudyFacts, records: Sequence[TrialRecord], front: Sequence[Tri
     if "importance" in pngs:
         parts.append(_img(pngs["importance"], "parameter importance for qps_gain"))
     parts.append(f"<p>{e(importance.note)}</p>")
+    return parts
+
+
+def _failed_section(records: Sequence[TrialRecord]) -> list[str]:
+    """The failed trials, each with its kind and reason."""
+    parts: list[str] = []
     parts.append("<h2>Failed trials</h2>")
     failed = [r for r in records if r.state == "FAIL"]
     if failed:
@@ -262,8 +296,7 @@ def _page(facts: StudyFacts, records: Sequence[TrialRecord], front: Sequence[Tri
                              for r in failed], numeric=(0,)))
     else:
         parts.append("<p>No trial failed.</p>")
-    parts.append("</body></html>\n")
-    return "\n".join(parts)
+    return parts
 
 
 def write_report(study: optuna.Study, out_dir: str | Path) -> ReportFiles:
