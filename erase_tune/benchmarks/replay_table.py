@@ -108,7 +108,7 @@ def _table(doc: dict[str, Any]) -> dict[str, Any]:
 
 @case("replay_table", Options, cuda="optional", recorded_with="scripts/measure_replay_table.py",
       description="every plan of a finite space measured once (QPS gain; NE once per detached set), for replays",
-      figures=("0.3 Tuner efficiency, by replay (the table docs/results/replay_ctr_h200.json)",))
+      figures=("0.3 Tuner efficiency, by replay (the table docs/results/h200-2026-12-01/replay_ctr.json)",))
 def replay_table(ns: Options, ctx: Context) -> dict[str, Any]:
     if ns.merge:
         parts = [_table(json.loads(Path(p).read_text())) for p in ns.merge]

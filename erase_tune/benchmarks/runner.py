@@ -24,6 +24,7 @@ from typing import Any
 
 from erase_tune.benchmarks import load_cases
 from erase_tune.benchmarks.case import Case, CaseError, Context, dump
+from erase_tune.errors import EraseTuneError, one_line
 
 PROG = "python -m erase_tune.benchmarks"
 
@@ -123,8 +124,8 @@ def run_case(case: Case, options: Any, out: Path, *, tag: str = "", argv: list[s
             contextlib.redirect_stdout(_Tee(sys.stdout, log)), contextlib.redirect_stderr(_Tee(sys.stderr, log)):
         try:
             result = case.fn(options, ctx)
-        except CaseError as e:
-            print(f"{name}: {e}", file=sys.stderr)
+        except (CaseError, EraseTuneError) as e:  # a usage error (a missing file, a bad space): one line
+            print(f"{name}: {one_line(str(e), 500)}", file=sys.stderr)
             return 2
         except Exception:  # noqa: BLE001 - the log keeps the traceback; the next case still runs
             traceback.print_exc()

@@ -1,7 +1,7 @@
 """Tuner efficiency by replay: hypervolume within the NE budget against measured trials, for
 every sampler, over several seeds, on a table of plans measured on the GPU.
 
-    python -m erase_tune.benchmarks sampler_efficiency --out DIR --table docs/results/replay_ctr_h200.json \
+    python -m erase_tune.benchmarks sampler_efficiency --out DIR --table docs/results/h200-2026-12-01/replay_ctr.json \
         --space search_spaces/ctr-replay.yaml [--trials 60] [--seeds 3] [--png hv.png]
 
 (recorded with scripts/sampler_efficiency.py, now this case; every run is in DIR/sampler_efficiency.json.)
@@ -25,7 +25,7 @@ from erase_tune.benchmarks.case import Context, case, opt
 
 @dataclasses.dataclass
 class Options:
-    table: str = opt("docs/results/replay_ctr_h200.json", "the replay table (measured on the GPU: replay_table)")
+    table: str = opt("docs/results/h200-2026-12-01/replay_ctr.json", "the replay table (measured on the GPU: replay_table)")
     space: str = opt("search_spaces/ctr-replay.yaml", "the space the table covers")
     trials: int = opt(60, "measured trials per study")
     seeds: int = opt(3, "studies per sampler")
@@ -37,7 +37,7 @@ class Options:
 
 @case("sampler_efficiency", Options, recorded_with="scripts/sampler_efficiency.py",
       description="REPLAY: hypervolume within the NE budget against measured trials, per sampler, over seeds",
-      figures=("0.3 Tuner efficiency, by replay (the table and the figure docs/results/sampler_efficiency_ctr_h200.png)",))
+      figures=("0.3 Tuner efficiency, by replay (the table and the figure docs/results/h200-2026-12-01/sampler_efficiency.png)",))
 def sampler_efficiency(ns: Options, ctx: Context) -> dict[str, Any]:
     from erase_tune.tune.search.checks import check_space
     from erase_tune.tune.search.replay import ReplayTable, replay_study
