@@ -272,3 +272,44 @@ if __name__ == "__main__":
         print(describe(circle, graph))
     print(f"{len(graph)} modules, {sum(map(len, graph.values()))} imports, {len(found)} circles")
     sys.exit(1 if found else 0)
+
+
+SET_UP_SCRIPTS = {"setup.sh", "install-browser.sh", "install-torchrec.sh"}
+
+
+def test_scripts_holds_only_the_set_up_scripts():
+    """Benchmarks and campaigns are cases and suites of erase_tune.benchmarks (issue 28): scripts/
+    keeps what sets a machine up, nothing else."""
+    found = {p.name for p in (ROOT / "scripts").iterdir()}
+    assert found == SET_UP_SCRIPTS, f"scripts/ should hold only {sorted(SET_UP_SCRIPTS)}; also: " \
+                                    f"{sorted(found - SET_UP_SCRIPTS)} (a benchmark is a case of erase_tune/benchmarks)"
+
+
+def _module_level_imports(path: Path) -> Iterator[tuple[str, int]]:
+    """Imports that run when the module is imported: top level and under plain ``if``/``try``,
+    not inside functions or classes, not under ``if TYPE_CHECKING``."""
+    def walk(body):
+        for node in body:
+            if isinstance(node, ast.Import):
+                yield from ((a.name, node.lineno) for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                yield node.module or "", node.lineno
+            elif isinstance(node, ast.If):
+                if "TYPE_CHECKING" not in ast.unparse(node.test):
+                    yield from walk(node.body)
+                yield from walk(node.orelse)
+            elif isinstance(node, ast.Try):
+                yield from walk(node.body)
+                for h in node.handlers:
+                    yield from walk(h.body)
+
+    yield from walk(ast.parse(path.read_text(), str(path)).body)
+
+
+def test_the_benchmarks_import_the_service_only_when_a_case_runs():
+    bad = []
+    for path in sorted((PACKAGE / "benchmarks").glob("*.py")):
+        for target, line in _module_level_imports(path):
+            if any(target == banned or target.startswith(banned + ".") for banned in NOT_IN_LIBRARY):
+                bad.append(f"{path.relative_to(ROOT)}:{line} imports {target}")
+    assert not bad, "erase_tune/benchmarks imports the service at module import time:\n" + "\n".join(bad)

@@ -1,13 +1,13 @@
-"""scripts/ddp_table1.py as a CPU smoke test: two gloo ranks, tiny CTR args, a tiny budget.
+"""The benchmark case ddp_table1 (recorded with scripts/ddp_table1.py) as a CPU smoke test: two
+gloo ranks, tiny CTR args, a tiny budget.
 
 The graph variants need CUDA and are skipped on the CPU; the two eager ERASE variants (FUP
 off and on) must run in one process group and report finite ratios. The figures themselves
-mean nothing here (tiny model, two shared cores); the GPU run is scripts/gpu_campaign.sh c.
+mean nothing here (tiny model, two shared cores); the GPU run is the benchmark suite c.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -19,15 +19,13 @@ from erase_tune.tune.search.space import SearchSpace
 from tests.tune.faulty import TINY_CTR
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "ddp_table1.py"
 TIMEOUT_S = 90  # a hung collective fails the test instead of blocking the run
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("ddp_table1", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from erase_tune.benchmarks import ddp_table1
+
+    return ddp_table1
 
 
 def test_defaults_are_the_ctr_space():
@@ -38,14 +36,17 @@ def test_defaults_are_the_ctr_space():
 
 
 def test_ddp_table1_runs_on_two_cpu_ranks(tmp_path):
-    out = tmp_path / "t1.json"
+    out = tmp_path / "ddp_table1.json"
     args = [a for k, v in TINY_CTR.items() if k != "train_batches" for a in ("--arg", f"{k}={v}")]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--ranks", "2", "--out", str(out),
+    proc = subprocess.run([sys.executable, "-m", "erase_tune.benchmarks", "ddp_table1", "--out", str(tmp_path),
+                           "--device", "cpu", "--ranks", "2",
                            "--warmup-steps", "5", "--windows", "1", "--window-steps", "2", "--quality-steps", "2", *args],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    doc = json.loads(out.read_text())
+    record = json.loads(out.read_text())
+    assert record["case"] == "ddp_table1" and record["complete"] and record["provenance"]["date_utc"]
+    doc = record["result"]
     assert doc["ranks"] == 2 and doc["provenance"]["ranks"] == 2 and doc["complete"]
     assert doc["provenance"]["backend"] == "gloo" and doc["provenance"]["date_utc"]
     # One pass: ranks x a trial's most steps (--windows 1 is the least it times; max_windows stays 20).

@@ -104,7 +104,7 @@ def test_workload_trains_under_every_mode(name, kind):
 def two_stream_cuts():
     """The small ctr workload with three cuts on streams 1, 2, 1: its plans (``_plans(..., "cuts")``)
     and ``weights(plan)``, every weight after 12 steps from the same start, each step waited for
-    (also the drift script's set-up: scripts/per_cut_graph_drift.py)."""
+    (also the set-up of the benchmark case graph_drift, recorded with scripts/per_cut_graph_drift.py)."""
     workload = get_workload("ctr", SMALL["ctr"])
     dev = torch.device("cuda")
     data = workload.make_data(dev)

@@ -34,7 +34,7 @@ def test_shipped_space_is_valid(path):
     elif path.stem == "deepfm":  # the branches inside the eager step: gain over it, a short study
         assert space.gain_over == "eager" and space.whole_step_graph == (False,) and space.device == "cuda"
         assert space.trials >= 12
-    elif space.gpus_per_trial > 1:  # a data-parallel study: shorter (scripts/gpu_campaign.sh phase c, 240 s)
+    elif space.gpus_per_trial > 1:  # a data-parallel study: shorter (benchmark suite c, 240 s)
         assert space.gain_over == "graph" and space.device == "cuda" and space.trials >= 8
     else:
         assert space.gain_over == "graph" and space.trials >= 24
@@ -56,7 +56,7 @@ def test_ctr_ddp_is_the_ctr_space_on_two_ranks():
 
 
 def test_the_campaign_variant_of_ctr_loads_with_exported_plans_as_seeds(tmp_path):
-    """scripts/campaign_space.py (GPU campaign phases d, e, f) makes a graph-only, 1%-budget
+    """The benchmark case campaign_space (GPU campaign suites d, e, f, g) makes a graph-only, 1%-budget
     ctr.yaml seeded with plans earlier studies exported: a change to ctr.yaml or to the plan
     format that breaks it fails here, not on the GPU."""
     import subprocess
@@ -66,11 +66,12 @@ def test_the_campaign_variant_of_ctr_loads_with_exported_plans_as_seeds(tmp_path
     plans = sorted((root / "docs/results/h200-2026-12-01").glob("best_ctr*_graph.yaml"))
     assert len(plans) == 3
     out = tmp_path / "ctr-campaign.yaml"
-    cmd = [sys.executable, str(root / "scripts/campaign_space.py"), str(root / "search_spaces/ctr.yaml"), str(out),
-           "--batch", "1024", "--max-ne-gap", "0.01", "--trials", "8", "--arg", "train_batches=64"]
+    cmd = [sys.executable, "-m", "erase_tune.benchmarks", "campaign_space", "--out", str(tmp_path),
+           "--src", str(root / "search_spaces/ctr.yaml"), "--dst", str(out), "--batch", "1024", "--max-ne-gap", "0.01",
+           "--trials", "8", "--arg", "train_batches=64"]
     for p in plans:
         cmd += ["--seed-plan", str(p)]
-    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120, cwd=root)
     space = SearchSpace.load(out)
     assert space.whole_step_graph == (True,) and space.max_ne_gap == 0.01 and space.trials == 8
     names = [n for n, _ in space.seeds]

@@ -1,8 +1,12 @@
 """Where the host time of one placement goes: cProfile over the same steps of the engine with
 an empty plan and with one module whose work is negligible placed on a side stream.
 
-    python scripts/host_profile.py --workload dlrm --arg batch=4096 --device cuda [--module top_l.9]
-    python scripts/host_profile.py --workload dlrm --arg batch=4096 --device cuda --cut bot_l
+    python -m erase_tune.benchmarks host_profile --out DIR --workload dlrm --arg batch=4096 --device cuda \
+        [--module top_l.9]
+    python -m erase_tune.benchmarks host_profile --out DIR --tag cut --workload dlrm --arg batch=4096 \
+        --device cuda --cut bot_l
+
+(recorded with scripts/host_profile.py, now this case.)
 
 With ``--cut``, the same for one blocking cut: the engine detaching the module (main stream) against
 the plain loop doing the cut's work by hand (the module detached, its aux head, the local loss's
@@ -18,37 +22,44 @@ slower than real ones; read the differences, not the absolute figures).
 
 from __future__ import annotations
 
-import argparse
 import cProfile
+import dataclasses
 import pstats
-import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from erase_tune.benchmarks.case import Context, case, opt
+from erase_tune.benchmarks.host_table import _Plain  # the plain loop, with a cut's work by hand
+from erase_tune.measure.hostcpu import blocking_sync, host_cpu_interleaved, host_tax
+from erase_tune.measure.timing import ORDERS
+from erase_tune.measure.trial import GRAPH_WARMUP, Variant, build_engine
+from erase_tune.runtime import Cut, ErasePlan, Placement
+from erase_tune.runtime.device import resolve_device
+from erase_tune.workloads import get_workload, workload_args
 
-from erase_tune.measure.hostcpu import blocking_sync, host_cpu_interleaved, host_tax  # noqa: E402
-from erase_tune.measure.timing import ORDERS  # noqa: E402
-from erase_tune.runtime import Cut, ErasePlan, Placement  # noqa: E402
-from erase_tune.runtime.device import resolve_device  # noqa: E402
-from erase_tune.measure.trial import GRAPH_WARMUP, Variant, build_engine  # noqa: E402
-from erase_tune.workloads import get_workload, workload_args  # noqa: E402
-from host_table import _Plain  # noqa: E402  (this folder: the plain loop, with a cut's work by hand)
+
+@dataclasses.dataclass
+class Options:
+    workload: str = opt("dlrm", "the workload")
+    arg: list[str] = opt([], "a workload argument KEY=VALUE")
+    device: str = opt("auto", "device (auto, cuda, cpu)")
+    module: str = opt("auto", "the placed module (auto: the model's last leaf)")
+    cut: str | None = opt(None, "profile a blocking cut of this module against its work done by hand")
+    order: str = opt("rotate", "runners' order in each round of the attribution", choices=ORDERS)
+    steps: int = opt(150, "profiled steps per variant")
+    rounds: int = opt(300, "rounds of the attribution pass (0: none)")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workload", default="dlrm")
-    ap.add_argument("--arg", action="append", default=[])
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--module", default="auto", help="the placed module (auto: the model's last leaf)")
-    ap.add_argument("--cut", default=None, help="profile a blocking cut of this module against its work done by hand")
-    ap.add_argument("--order", choices=ORDERS, default="rotate", help="runners' order in each round of the attribution")
-    ap.add_argument("--steps", type=int, default=150)
-    ap.add_argument("--rounds", type=int, default=300, help="rounds of the attribution pass (0: none)")
-    a = ap.parse_args()
+@case("host_profile", Options, cuda="optional", recorded_with="scripts/host_profile.py",
+      description="where one placement's (or one blocking cut's) host time goes: cProfile, call counts, an A/A attribution",
+      figures=("00.5 After the engine split (where a placement's host time goes)",
+               "00.6 The stream fast path (attribution)", "00.7 A lean join (attribution with an A/A pair)",
+               "00.8 The lean join verified and shipped (attribution; what each variant calls, counted)"))
+def host_profile(a: Options, ctx: Context) -> dict[str, Any]:
+    result: dict[str, Any] = {"unprofiled_cpu_us": {}, "functions": []}
     args = workload_args(a.arg)
     wl = get_workload(a.workload, args)
     device = resolve_device(a.device)
@@ -78,7 +89,9 @@ def main() -> None:
                 for i in range(a.steps):
                     v(i)
                 torch.cuda.synchronize(device) if device.type == "cuda" else None
-                print(f"{name:<24} {(time.process_time() - c0) / a.steps * 1e6:>8.0f} CPU µs/step (unprofiled, pass {rep})")
+                us = (time.process_time() - c0) / a.steps * 1e6
+                result["unprofiled_cpu_us"].setdefault(name, []).append(us)
+                print(f"{name:<24} {us:>8.0f} CPU µs/step (unprofiled, pass {rep})")
         for name, v in variants.items():
             prof = cProfile.Profile()
             prof.enable()
@@ -88,9 +101,10 @@ def main() -> None:
             prof.disable()
             stats[name] = pstats.Stats(prof).stats  # (file, line, fn) -> (cc, nc, tt, ct, callers)
     print(how)
-    calls(variants, device, steps=10)
+    result["how"] = how
+    result["calls"] = calls(variants, device, steps=10)
     if a.rounds:
-        attribute(variants, device, a.rounds, again(), a.order)
+        result["attribution"] = attribute(variants, device, a.rounds, again(), a.order)
     (ea, eb) = stats.values()
     keys = set(ea) | set(eb)
 
@@ -99,16 +113,20 @@ def main() -> None:
         return (v[2] / a.steps * 1e6, v[1] / a.steps) if v else (0.0, 0.0)
     rows = sorted(keys, key=lambda k: -(per_step(eb, k)[0] - per_step(ea, k)[0]))
     base, other = (f"µs/step {n.split(' ')[-1]}"[:15] for n in variants)
-    print(f"{'function':<70} {base:>14} {other:>15} {'calls/step':>16}")
+    table = [f"{'function':<70} {base:>14} {other:>15} {'calls/step':>16}"]
     for k in rows[:25] + rows[-8:]:  # what the variant adds most, then what it saves most
         (ta, na), (tb, nb) = per_step(ea, k), per_step(eb, k)
-        print(f"{(Path(k[0]).name + ':' + str(k[1]) + ' ' + k[2])[:70]:<70} {ta:>14.1f} {tb:>15.1f} {f'{na:.0f} -> {nb:.0f}':>16}")
+        fn = (Path(k[0]).name + ':' + str(k[1]) + ' ' + k[2])[:70]
+        result["functions"].append({"function": fn, "us_per_step": [ta, tb], "calls_per_step": [na, nb]})
+        table.append(f"{fn:<70} {ta:>14.1f} {tb:>15.1f} {f'{na:.0f} -> {nb:.0f}':>16}")
     for name, st in stats.items():
-        print(f"{name}: {sum(v[2] for v in st.values()) / a.steps * 1e6:.0f} µs/step profiled, "
-              f"{sum(v[1] for v in st.values()) / a.steps:.0f} calls/step")
+        table.append(f"{name}: {sum(v[2] for v in st.values()) / a.steps * 1e6:.0f} µs/step profiled, "
+                     f"{sum(v[1] for v in st.values()) / a.steps:.0f} calls/step")
+    result["table"] = "\n".join(table)
+    return result
 
 
-def calls(variants: dict, device, steps: int) -> None:
+def calls(variants: dict, device, steps: int) -> dict[str, list[float]]:
     """What the second variant calls per step that the first does not, counted by torch's profiler
     over ``steps`` steps each: torch operators and, on CUDA, the CUDA runtime calls (launches,
     event records and waits, allocations). Counts, not times: exact where cProfile's times are not."""
@@ -126,12 +144,15 @@ def calls(variants: dict, device, steps: int) -> None:
     names = list(variants)
     rows = sorted(((other.get(k, (0, 0))[0] - base.get(k, (0, 0))[0]) / steps, k) for k in set(base) | set(other))
     print(f"calls per step, {names[1]} against {names[0]} (torch profiler, {steps} steps each): the differences")
+    counts = {}
     for diff, k in sorted(rows, key=lambda r: -abs(r[0])):
         if diff:
-            print(f"  {k[:70]:<70} {base.get(k, (0, 0))[0] / steps:>7.1f} -> {other.get(k, (0, 0))[0] / steps:>7.1f}")
+            counts[k] = [base.get(k, (0, 0))[0] / steps, other.get(k, (0, 0))[0] / steps]
+            print(f"  {k[:70]:<70} {counts[k][0]:>7.1f} -> {counts[k][1]:>7.1f}")
+    return counts
 
 
-def attribute(variants: dict, device, rounds: int, again, order: str) -> None:
+def attribute(variants: dict, device, rounds: int, again, order: str) -> dict[str, dict[str, float]]:
     """CPU µs/step over the base (the first variant), the variants alternating step by step: the
     other variant, and ``again``, a second copy of the base over the same model and data (an A/A pair)."""
     (base, first), (name, other) = variants.items()
@@ -142,12 +163,10 @@ def attribute(variants: dict, device, rounds: int, again, order: str) -> None:
                                start_step=10_000, order=order)
     print(f"attribution: CPU µs/step, {rounds} rounds alternating step by step ({cpu.how}); tax = median of the difference "
           f"to the {base} in the same round")
+    out = {}
     for name in runners:
         m, lo, hi = host_tax(cpu, name, base)
         t, _, _ = host_tax(cpu, name, base, main_thread=True)
+        out[name] = {"cpu_us": cpu.median_us(name), "tax_us": [m, lo, hi], "main_thread_tax_us": t}
         print(f"  {name:<34} {cpu.median_us(name):>8,.0f} µs   tax {m:+7,.0f}   training thread's {t:+7,.0f}")
-
-
-
-if __name__ == "__main__":
-    main()
+    return out

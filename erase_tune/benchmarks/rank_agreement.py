@@ -1,7 +1,9 @@
 """Does the shipped short trial budget rank plans as a 4x longer one does? Kendall's tau.
 
-    python scripts/budget_rank_agreement.py --space search_spaces/ctr.yaml --plans 12 --scale 4 \
-        --out rank.json [--arg train_batches=1700]
+    python -m erase_tune.benchmarks rank_agreement --out DIR --space search_spaces/ctr.yaml --plans 12 \
+        --scale 4 [--arg train_batches=1700]
+
+(recorded with scripts/budget_rank_agreement.py, now this case.)
 
 Twelve distinct plans of the space (its seeds, then plans a seeded random sampler proposes)
 are each measured twice, in one process on one device: with the space's budget and with
@@ -14,21 +16,19 @@ pass over-fits a CTR model and would skew the long run's NE.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import itertools
-import json
-import sys
-from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import optuna
 import yaml
 
-from erase_tune.runtime import ErasePlan
+from erase_tune.benchmarks.case import Context, case, opt
 from erase_tune.measure.trial import Budget, run_trial
-from erase_tune.tune.search.checks import check_space
-from erase_tune.tune.search.space import SearchSpace
+from erase_tune.runtime import ErasePlan
 from erase_tune.workloads import get_workload
+
+if TYPE_CHECKING:
+    from erase_tune.tune.search.space import SearchSpace
 
 
 def kendall_tau_b(a: list[float], b: list[float]) -> float:
@@ -51,6 +51,10 @@ def kendall_tau_b(a: list[float], b: list[float]) -> float:
 
 
 def pick_plans(space: SearchSpace, n: int) -> list[ErasePlan]:
+    import optuna
+
+    from erase_tune.tune.search.checks import check_space
+
     checked = check_space(space)
     plans = {p.canonical().dumps(): p.canonical() for _, p in space.seeds}
     study = optuna.create_study(directions=["maximize", "minimize"], sampler=optuna.samplers.RandomSampler(seed=0))
@@ -64,16 +68,24 @@ def pick_plans(space: SearchSpace, n: int) -> list[ErasePlan]:
     return list(plans.values())[:n]
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--space", required=True)
-    ap.add_argument("--plans", type=int, default=12)
-    ap.add_argument("--scale", type=int, default=4)
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE")
-    ap.add_argument("--first", type=int, default=0, help="start at this plan (to finish a run cut short)")
-    ns = ap.parse_args(argv)
+@dataclasses.dataclass
+class Options:
+    space: str = opt("search_spaces/ctr.yaml", "the search space whose plans are ranked")
+    plans: int = opt(12, "distinct plans: the space's seeds, then a seeded random sampler's")
+    scale: int = opt(4, "the long budget's windows and quality steps over the space's")
+    device: str = opt("auto", "device (auto, cuda, cpu)")
+    arg: list[str] = opt([], "a workload argument KEY=VALUE")
+    first: int = opt(0, "start at this plan (to finish a run cut short)")
+
+
+@case("rank_agreement", Options, cuda="optional", recorded_with="scripts/budget_rank_agreement.py",
+      description="Kendall's tau between a short trial budget's ranking of plans and a 4x longer one's",
+      figures=("0.5 Does the short budget rank plans as a 4x longer one?",))
+def rank_agreement(ns: Options, ctx: Context) -> dict[str, Any]:
+    import optuna
+
+    from erase_tune.tune.search.space import SearchSpace
+
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     space = SearchSpace.load(ns.space)
     args = {**space.workload_args, **{k: yaml.safe_load(v) for k, _, v in (a.partition("=") for a in ns.arg)}}
@@ -94,18 +106,11 @@ def main(argv: list[str] | None = None) -> int:
             baseline_ne.setdefault(label, r.ne_baseline)
             row[label] = {"qps_gain": getattr(r, gain_key), "ne_gap": r.ne_gap, "seconds": r.duration_s}
         rows.append(row)
-        Path(ns.out).write_text(json.dumps({"rows": rows}, indent=1, default=str))  # survives a time limit
+        ctx.save({"rows": rows})  # survives a time limit
         print(f"{i:>2} {row['short']['qps_gain']:+.2%} / {row['long']['qps_gain']:+.2%}  "
               f"NE {row['short']['ne_gap']:+.2%} / {row['long']['ne_gap']:+.2%}  {plan.describe()}", flush=True)
     taus = {k: kendall_tau_b([r["short"][k] for r in rows], [r["long"][k] for r in rows]) for k in ("qps_gain", "ne_gap")}
-    Path(ns.out).write_text(json.dumps({"space": ns.space, "workload_args": args, "scale": ns.scale,
-                                        "short_budget": dataclasses.asdict(short),
-                                        "long_budget": dataclasses.asdict(long), "rows": rows, "kendall_tau": taus},
-                                       indent=1, default=str))
-    print(f"Kendall tau-b, short vs {ns.scale}x budget, {len(rows)} plans: QPS gain {taus['qps_gain']:+.3f}, "
-          f"NE gap {taus['ne_gap']:+.3f}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    table = (f"Kendall tau-b, short vs {ns.scale}x budget, {len(rows)} plans: QPS gain {taus['qps_gain']:+.3f}, "
+             f"NE gap {taus['ne_gap']:+.3f}")
+    return {"space": ns.space, "workload_args": args, "scale": ns.scale, "short_budget": dataclasses.asdict(short),
+            "long_budget": dataclasses.asdict(long), "rows": rows, "kendall_tau": taus, "table": table}

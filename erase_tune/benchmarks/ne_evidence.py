@@ -1,10 +1,12 @@
 """GPU evidence for the NE gap (issue 17): the noise floor of each shipped space, and whether the
 search's short NE gap ranks plans as the confirmed (longer, several seeds) one does.
 
-    python scripts/ne_evidence.py --out "$OUT" [--repeats 3] [--rank-plans 12] [--scale 4] [--seeds 2]
-        [--spaces ctr,gpt-bf16,gpt-fp32,mlp,dlrm] [--steps-factor 1.0] [--rank-steps-factor 0.5]
+    python -m erase_tune.benchmarks ne_evidence --out "$OUT" [--repeats 3] [--rank-plans 12] [--scale 4]
+        [--seeds 2] [--spaces ctr,gpt-bf16,gpt-fp32,mlp,dlrm] [--steps-factor 1.0] [--rank-steps-factor 0.5]
         [--time-limit 300] [--overrun 150] [--rank-arg train_batches=1700] [--smoke]
-    (or: OUT=out bash scripts/gpu_campaign.sh n)
+    (or: python -m erase_tune.benchmarks --suite n --out "$OUT")
+
+(recorded with scripts/ne_evidence.py, now this case.)
 
 Part 1, the noise floor (erase_tune.measure.noise.measure_noise_floor): for each shipped space, the
 baseline trained against itself for the space's trial training steps under perturbations that
@@ -27,33 +29,20 @@ scales every training, ``--rank-steps-factor`` the rank agreement's further.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
-import os
-import sys
 import time
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+import yaml
 
-import optuna  # noqa: E402
-import yaml  # noqa: E402
+from erase_tune.benchmarks.case import ROOT, Context, case, opt
+from erase_tune.measure.noise import QualitySettings, confirm_quality, exact_by_construction, feasible, measure_noise_floor
+from erase_tune.measure.trial import Budget
+from erase_tune.workloads import BUILTINS, get_workload
 
-from erase_tune.measure.noise import (  # noqa: E402
-    QualitySettings,
-    confirm_quality,
-    exact_by_construction,
-    feasible,
-    measure_noise_floor,
-)
-from erase_tune.measure.trial import Budget  # noqa: E402
-from erase_tune.tune.search.space import SearchSpace  # noqa: E402
-from erase_tune.workloads import BUILTINS, get_workload  # noqa: E402
+if TYPE_CHECKING:
+    from erase_tune.tune.search.space import SearchSpace
 
 SPACES = {  # name: (space file, workload-argument overrides)
     "ctr": ("ctr.yaml", {}),
@@ -75,13 +64,9 @@ def _budget(space: SearchSpace, factor: float) -> Budget:
     return dataclasses.replace(b, quality_steps=quality)
 
 
-def _dump(out: Path, data: dict[str, Any]) -> None:
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    os.replace(tmp, out)
+def noise_floors(ns: Options, record: dict[str, Any], ctx: Context, started: float) -> None:
+    from erase_tune.tune.search.space import SearchSpace
 
-
-def noise_floors(ns: argparse.Namespace, record: dict[str, Any], out: Path, started: float) -> None:
     print(f"{'space':<10} {'steps':>6} {'band':>8}  gaps (kind)", flush=True)
     for name in [s for s in ns.spaces.split(",") if s]:
         if time.monotonic() - started > ns.time_limit:
@@ -109,11 +94,12 @@ def noise_floors(ns: argparse.Namespace, record: dict[str, Any], out: Path, star
                                        "seconds": round(time.monotonic() - t0, 1)}
         gaps = ", ".join(f"{g:+.3%} ({k})" for g, k in zip(floor.gaps, floor.kinds))
         print(f"{name:<10} {floor.training_steps:>6} {floor.band:>8.3%}  {gaps}", flush=True)
-        _dump(out, record)
+        ctx.save(record)
 
 
-def rank_agreement(ns: argparse.Namespace, record: dict[str, Any], out: Path, started: float) -> None:
-    from budget_rank_agreement import kendall_tau_b, pick_plans
+def rank_agreement(ns: Options, record: dict[str, Any], ctx: Context, started: float) -> None:
+    from erase_tune.benchmarks.rank_agreement import kendall_tau_b, pick_plans
+    from erase_tune.tune.search.space import SearchSpace
 
     file, overrides = SPACES[ns.rank_space]
     space = SearchSpace.load(ROOT / "search_spaces" / _file(file, ns.smoke))
@@ -134,7 +120,7 @@ def rank_agreement(ns: argparse.Namespace, record: dict[str, Any], out: Path, st
         rows[name] = {"plan": p.describe(), "exact": exact_by_construction(p), "search_ne_gap": short.plans[name].ne_gap}
     record["rank"] = {"space": ns.rank_space, "max_ne_gap": space.max_ne_gap, "band": band, "plans": rows,
                       "search_steps": short.steps, "provenance": dict(short.provenance)}
-    _dump(out, record)
+    ctx.save(record)
     # The longer run costs about scale x seeds times the short one: fit it in what is left.
     short_s = float(short.provenance.get("duration_s") or 0.0)
     left = ns.time_limit + ns.overrun - (time.monotonic() - started)
@@ -147,7 +133,7 @@ def rank_agreement(ns: argparse.Namespace, record: dict[str, Any], out: Path, st
     if short_s * scale * seeds > left:
         record["rank"]["confirmed"] = f"skipped: needs about {short_s * scale * seeds:.0f}s, {left:.0f}s left"
         print(f"rank agreement: {record['rank']['confirmed']}", flush=True)
-        _dump(out, record)
+        ctx.save(record)
         return
     if (scale, seeds) != (ns.scale, ns.seeds):
         print(f"rank agreement: confirming at scale {scale} over {seeds} orders to fit the time left", flush=True)
@@ -170,7 +156,7 @@ def rank_agreement(ns: argparse.Namespace, record: dict[str, Any], out: Path, st
     record["rank"].update({"confirmed_steps": long.steps, "seeds": ns.seeds, "kendall_tau_b": tau,
                            "plans_with_cuts": len(cut), "misjudged": misjudged,
                            "confirmed_provenance": dict(long.provenance)})
-    _dump(out, record)
+    ctx.save(record)
     print(f"\nrank agreement on {ns.rank_space}: search ({short.steps} steps, trial order) against confirmed "
           f"({long.steps} steps x {ns.seeds} orders), budget {space.max_ne_gap:.2%} + noise {band:.3%}")
     print(f"{'plan':>4} {'search gap':>11} {'confirmed gap':>14} {'95% interval':>22}  plan")
@@ -182,41 +168,41 @@ def rank_agreement(ns: argparse.Namespace, record: dict[str, Any], out: Path, st
           f"{len(misjudged)} (all caught by the confirmation: {all(m['caught_by_confirmation'] for m in misjudged)})")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="directory for ne_evidence.json (default $OUT)")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--spaces", default="ctr,gpt-bf16,gpt-fp32,mlp,dlrm")
-    ap.add_argument("--repeats", type=int, default=3, help="data orders per noise floor (default 3)")
-    ap.add_argument("--rank-space", default="ctr", choices=sorted(SPACES))
-    ap.add_argument("--rank-plans", type=int, default=12)
-    ap.add_argument("--rank-arg", action="append", default=[], metavar="KEY=VALUE",
-                    help="workload argument for the rank agreement (e.g. train_batches=1700: the longer training "
-                         "reads each batch once; a second pass over-fits a CTR model)")
-    ap.add_argument("--scale", type=int, default=4, help="confirmed training length / the trial's (default 4)")
-    ap.add_argument("--seeds", type=int, default=2, help="data orders of the confirmation (default 2)")
-    ap.add_argument("--steps-factor", type=float, default=1.0, help="scale every training length (default 1)")
-    ap.add_argument("--rank-steps-factor", type=float, default=0.5,
-                    help="scale the rank agreement's trainings further (default 0.5: 12 plans x 4 x 2 fit the time)")
-    ap.add_argument("--time-limit", type=float, default=300.0, help="start nothing new after this many seconds")
-    ap.add_argument("--overrun", type=float, default=150.0,
-                    help="seconds the last step may run past --time-limit (default 150: 7.5 minutes in all)")
-    ap.add_argument("--skip-rank", action="store_true")
-    ap.add_argument("--smoke", action="store_true", help="the *-smoke.yaml spaces (a dry run on a CPU)")
-    ns = ap.parse_args(argv)
+@dataclasses.dataclass
+class Options:
+    device: str = opt("auto", "device (auto, cuda, cpu)")
+    spaces: str = opt("ctr,gpt-bf16,gpt-fp32,mlp,dlrm", "the noise floors to measure, comma separated")
+    repeats: int = opt(3, "data orders per noise floor")
+    rank_space: str = opt("ctr", "the space of the rank agreement", choices=tuple(sorted(SPACES)))
+    rank_plans: int = opt(12, "plans of the rank agreement")
+    rank_arg: list[str] = opt([], "workload argument for the rank agreement KEY=VALUE (e.g. train_batches=1700: "
+                              "the longer training reads each batch once; a second pass over-fits a CTR model)")
+    scale: int = opt(4, "confirmed training length / the trial's")
+    seeds: int = opt(2, "data orders of the confirmation")
+    steps_factor: float = opt(1.0, "scale every training length")
+    rank_steps_factor: float = opt(0.5, "scale the rank agreement's trainings further (0.5: 12 plans x 4 x 2 fit "
+                                   "the time)")
+    time_limit: float = opt(300.0, "start nothing new after this many seconds")
+    overrun: float = opt(150.0, "seconds the last step may run past --time-limit (150: 7.5 minutes in all)")
+    skip_rank: bool = opt(False, "the noise floors only")
+    smoke: bool = opt(False, "the *-smoke.yaml spaces (a dry run on a CPU)")
+
+
+@case("ne_evidence", Options, cuda="optional", recorded_with="scripts/ne_evidence.py",
+      description="the NE gap's noise floor per shipped space, and the rank agreement of search and confirmed NE gaps",
+      figures=("00.2b The noise floor of the NE gap", "00.4 NE rank agreement (issue 17)",
+               "00.5 After the engine split (mlp's noise floor)"))
+def ne_evidence(ns: Options, ctx: Context) -> dict[str, Any]:
+    import optuna
+
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    out = Path(ns.out) / "ne_evidence.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    record: dict[str, Any] = {"args": vars(ns), "noise_floor": {}}
-    noise_floors(ns, record, out, started)
+    record: dict[str, Any] = {"args": dataclasses.asdict(ns), "noise_floor": {}}
+    noise_floors(ns, record, ctx, started)
     if not ns.skip_rank:
-        rank_agreement(ns, record, out, started)
+        rank_agreement(ns, record, ctx, started)
     record["seconds"] = round(time.monotonic() - started, 1)
-    _dump(out, record)
-    print(f"\nwrote {out} ({record['seconds']:.0f} s)")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    record["table"] = "\n".join(
+        f"{name:<10} " + (f"{f['training_steps']:>6} {f['band']:>8.3%}" if "band" in f else next(iter(f.values())))
+        for name, f in record["noise_floor"].items())
+    return record

@@ -1,7 +1,9 @@
 """Measure every plan of a finite search space once, for replayed sampler studies.
 
-    python scripts/measure_replay_table.py --space search_spaces/ctr-replay.yaml --out table.json \
-        [--shard 0/2] [--group 8] [--arg key=value ...]
+    python -m erase_tune.benchmarks replay_table --out DIR --space search_spaces/ctr-replay.yaml \
+        [--shard 0/2 --tag shard0] [--group 8] [--arg key=value ...]
+
+(recorded with scripts/measure_replay_table.py, now this case; the table is the JSON's ``result``.)
 
 The space must be finite: fixed λ (``aux_weight`` a number), ``streams: round_robin``, one
 choice of dispatch and graph flags. Every plan is timed against the space's baseline
@@ -11,28 +13,26 @@ is the median over windows of the per-window p90-QPS ratio. NE depends only on w
 candidates are detached (a placement changes no gradient, a stream no value), so NE is
 measured once per detached set, trained as long as a trial trains, and every plan with that
 set gets that NE gap. ``--shard i/n`` measures every n-th plan and set (one process per GPU);
-``--merge`` joins shard files.
+``--merge FILE`` (repeated) joins shard files (each a ``DIR/replay_table*.json``) into
+``DIR/replay_table.table.json``, the file ``sampler_efficiency --table`` reads.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from erase_tune.measure.confirm import baseline_plan
+from erase_tune.benchmarks.case import Context, case, opt
 from erase_tune.measure import provenance, ratio_spread, time_interleaved
+from erase_tune.measure.confirm import baseline_plan
+from erase_tune.measure.trial import Budget, Variant, build_engine, jsonable_args, release
 from erase_tune.runtime import ErasePlan
 from erase_tune.runtime.device import resolve_device
-from erase_tune.measure.trial import Budget, Variant, build_engine, jsonable_args, release
-from erase_tune.tune.search.checks import check_space
-from erase_tune.tune.search.replay import space_plans
-from erase_tune.tune.search.space import SearchSpace
 from erase_tune.workloads import get_workload
 
 
@@ -91,25 +91,39 @@ def measure_ne(workload, sets: list[tuple[str, ...]], base: ErasePlan, budget: B
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--space", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--shard", default="0/1")
-    ap.add_argument("--group", type=int, default=16)
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE", help="override a workload argument")
-    ap.add_argument("--merge", nargs="*", help="shard files to join into --out (nothing is measured)")
-    ns = ap.parse_args(argv)
+@dataclasses.dataclass
+class Options:
+    space: str = opt("search_spaces/ctr-replay.yaml", "a finite search space")
+    shard: str = opt("0/1", "i/n: measure every n-th plan and detached set, from the i-th")
+    group: int = opt(16, "plans timed together with the baseline")
+    device: str = opt("auto", "device (auto, cuda, cpu)")
+    arg: list[str] = opt([], "override a workload argument KEY=VALUE")
+    merge: list[str] = opt([], "a shard file to join (nothing is measured)")
+
+
+def _table(doc: dict[str, Any]) -> dict[str, Any]:
+    """A shard's or a merged file's table as the replay reads it (erase_tune.tune.search.replay)."""
+    return doc.get("result", doc)
+
+
+@case("replay_table", Options, cuda="optional", recorded_with="scripts/measure_replay_table.py",
+      description="every plan of a finite space measured once (QPS gain; NE once per detached set), for replays",
+      figures=("0.3 Tuner efficiency, by replay (the table docs/results/h200-2026-12-01/replay_ctr.json)",))
+def replay_table(ns: Options, ctx: Context) -> dict[str, Any]:
     if ns.merge:
-        parts = [json.loads(Path(p).read_text()) for p in ns.merge]
+        parts = [_table(json.loads(Path(p).read_text())) for p in ns.merge]
         ne = {k: v for part in parts for k, v in part["ne"].items()}
         base_ne = ne[""]
         plans = [dict(r, ne_gap=(ne["|".join(r["detached"])] - base_ne) / base_ne) for part in parts for r in part["qps"]]
-        Path(ns.out).write_text(json.dumps({"provenance": parts[0]["provenance"], "ne": ne, "plans": plans}, indent=1))
-        print(f"{ns.out}: {len(plans)} plans, {len(ne)} detached sets")
-        return 0
+        merged = {"provenance": parts[0]["provenance"], "ne": ne, "plans": plans}
+        ctx.path(".table.json").write_text(json.dumps(merged, indent=1))  # what ReplayTable.load reads
+        return {**merged, "table": f"{ctx.path('.table.json')}: {len(plans)} plans, {len(ne)} detached sets "
+                                   f"(merged from {len(parts)} files)"}
     import yaml
+
+    from erase_tune.tune.search.checks import check_space
+    from erase_tune.tune.search.replay import space_plans
+    from erase_tune.tune.search.space import SearchSpace
 
     space = SearchSpace.load(ns.space)
     overrides = {k: yaml.safe_load(v) for k, _, v in (a.partition("=") for a in ns.arg)}
@@ -129,17 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     ne: dict[str, float] = {}
 
     def save(qps: list[dict]) -> None:
-        Path(ns.out).write_text(json.dumps({"provenance": prov, "qps": qps, "ne": ne}, indent=1))
+        ctx.save({"provenance": prov, "qps": qps, "ne": ne})
 
     mine = sets[index::count]
     if () not in mine:  # every shard needs the baseline's NE to state gaps
         mine = [(), *mine]
     ne.update(measure_ne(workload, mine, base, space.budget, device))
     qps = measure_qps(workload, plans[index::count], base, space.budget, ns.group, device, save)
-    save(qps)
-    print(f"{ns.out}: {len(qps)} plans, {len(ne)} NE sets", flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return {"provenance": prov, "qps": qps, "ne": ne, "table": f"{len(qps)} plans, {len(ne)} NE sets"}

@@ -1,8 +1,10 @@
 """The ERASE paper's Table 1 structure on the CTR proxy, data parallel on K GPUs of one host.
 
-    python scripts/ddp_table1.py [--ranks K] [--out table.json] [--device cuda|cpu]
+    python -m erase_tune.benchmarks ddp_table1 --out DIR [--ranks K] [--device cuda|cpu]
         [--warmup-steps 8] [--windows 5] [--window-steps 20] [--quality-steps 300]
         [--variants a,b,...] [--arg key=value ...]
+
+(recorded with scripts/ddp_table1.py, now this case; on two GPUs: suite c.)
 
 Spawns K ranks (torch.multiprocessing, default: every visible GPU, one per rank; rendezvous at
 127.0.0.1 on a free port; nccl on CUDA with NCCL_NVLS_ENABLE=0, gloo with ``--device cpu``).
@@ -33,14 +35,13 @@ per trial with K ranks reading disjoint batches, as ctr.yaml's one pass on one G
 baseline's held-out NE is measured by the first trial and reused by the later ones (the
 service's cache does the same), so only the first trial trains the baseline for quality.
 Six trials at this budget are expected to take about 2-3 minutes on 2 H200s (a single-GPU
-trial at these args takes ~17 s), inside scripts/gpu_campaign.sh's 240 s for this step; not
-yet measured. ``--out`` is rewritten after every variant, so a time limit keeps what ran.
+trial at these args takes ~17 s), inside suite c's 240 s for this step; not
+yet measured. ``DIR/ddp_table1.json`` is rewritten after every variant, so a time limit keeps what ran.
 Rank 0 prints the markdown table last.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -53,8 +54,9 @@ from typing import Any
 
 import torch
 
-from erase_tune.runtime import Cut, ErasePlan, Placement
+from erase_tune.benchmarks.case import CaseError, Context, case, opt
 from erase_tune.measure.trial import Budget, TrialFailed
+from erase_tune.runtime import Cut, ErasePlan, Placement
 
 SUBARCHS = tuple(f"subarchs.{i}" for i in range(6))
 STREAMS = 4
@@ -148,7 +150,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_main(rank: int, ns: argparse.Namespace, world: int, args: dict[str, Any], argv: list[str]) -> None:
+def rank_main(rank: int, ns: Options, world: int, args: dict[str, Any], argv: list[str], out: str) -> None:
     import torch.distributed as dist
 
     from erase_tune.measure import provenance
@@ -178,13 +180,13 @@ def rank_main(rank: int, ns: argparse.Namespace, world: int, args: dict[str, Any
     failed: list[dict] = []
 
     def save(complete: bool) -> None:
-        if rank != 0 or not ns.out:
+        if rank != 0:
             return
         doc = {"provenance": prov, "ranks": world, "device": str(device), "args": args,
                "budget": dataclasses.asdict(budget), "complete": complete, "variants": rows,
                "skipped": skipped, "failed": failed,
                "table": markdown(rows, skipped, failed, world, prov["device_name"])}
-        path = Path(ns.out)
+        path = Path(out)
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(doc, indent=1, default=str))
         tmp.replace(path)
@@ -213,50 +215,51 @@ def rank_main(rank: int, ns: argparse.Namespace, world: int, args: dict[str, Any
     save(True)
     dist.barrier(group)
     dist.destroy_process_group()
-    if rank == 0:
-        print()
-        print(markdown(rows, skipped, failed, world, prov["device_name"]), flush=True)
-    if failed and rank == 0:  # rank 0 only: a rank exiting non-zero makes spawn stop the others
-        sys.exit(1)
+    # The table is printed last by the runner; a failed variant fails the run there (from the
+    # file rank 0 wrote), not by a rank exiting non-zero (which makes spawn stop the others).
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv if argv is None else [sys.argv[0], *argv])
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ranks", type=int, default=None, help="ranks (default: every visible GPU; 2 on the CPU)")
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    ap.add_argument("--out", default=None, help="JSON file (rank 0 writes it)")
-    ap.add_argument("--warmup-steps", type=int, default=CTR_BUDGET["warmup_steps"])
-    ap.add_argument("--windows", type=int, default=CTR_BUDGET["windows"])
-    ap.add_argument("--window-steps", type=int, default=CTR_BUDGET["window_steps"])
-    ap.add_argument("--quality-steps", type=int, default=CTR_BUDGET["quality_steps"])
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--variants", default=",".join(variants()), help="which of a..f, comma separated")
-    ap.add_argument("--collective-timeout", type=float, default=300.0, help="seconds a rank waits at a collective")
-    ap.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE", help="override a ctr workload argument")
-    ns = ap.parse_args(argv[1:])
+@dataclasses.dataclass
+class Options:
+    ranks: int | None = opt(None, "ranks (default: every visible GPU; 2 on the CPU)")
+    device: str = opt("cuda", "cuda, or cpu for the smoke test (gloo)", choices=("cuda", "cpu"))
+    warmup_steps: int = opt(CTR_BUDGET["warmup_steps"], "warm-up steps")
+    windows: int = opt(CTR_BUDGET["windows"], "timing windows")
+    window_steps: int = opt(CTR_BUDGET["window_steps"], "steps per window")
+    quality_steps: int = opt(CTR_BUDGET["quality_steps"], "training steps for the NE gap")
+    seed: int = opt(0, "seed")
+    variants: str = opt(",".join("abcdef"), "which of a..f, comma separated")
+    collective_timeout: float = opt(300.0, "seconds a rank waits at a collective")
+    arg: list[str] = opt([], "override a ctr workload argument KEY=VALUE")
+
+
+@case("ddp_table1", Options, cuda="optional", gpus=2, recorded_with="scripts/ddp_table1.py",
+      description="the ERASE paper's Table 1 structure on the CTR proxy, data parallel over the visible GPUs",
+      figures=("0.9 Owed from this campaign (the two-GPU Table 1; suite c)",))
+def ddp_table1(ns: Options, ctx: Context) -> dict[str, Any]:
     import yaml
 
+    argv = list(ctx.argv)
     unknown = [k for k in ns.variants.split(",") if k.strip() and k.strip() not in variants()]
     if unknown:
-        ap.error(f"--variants: unknown {', '.join(unknown)} (known: {', '.join(variants())})")
+        raise CaseError(f"--variants: unknown {', '.join(unknown)} (known: {', '.join(variants())})")
     if ns.device == "cuda":
         if not torch.cuda.is_available():
-            ap.error("--device cuda: no CUDA device here (use --device cpu for the smoke test)")
+            raise CaseError("--device cuda: no CUDA device here (use --device cpu for the smoke test)")
         ranks = ns.ranks or torch.cuda.device_count()
         if ranks > torch.cuda.device_count():
-            ap.error(f"--ranks {ranks}: only {torch.cuda.device_count()} GPUs are visible")
+            raise CaseError(f"--ranks {ranks}: only {torch.cuda.device_count()} GPUs are visible")
     else:
         ranks = ns.ranks or 2
     if ranks < 1:
-        ap.error("--ranks must be >= 1")
+        raise CaseError("--ranks must be >= 1")
     budget = Budget(warmup_steps=ns.warmup_steps, windows=ns.windows, window_steps=ns.window_steps,
                     quality_steps=ns.quality_steps, seed=ns.seed)  # refuses a bad budget before spawning
     overrides = {}
     for pair in ns.arg:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            ap.error(f"--arg: {pair!r} is not KEY=VALUE")
+            raise CaseError(f"--arg: {pair!r} is not KEY=VALUE")
         overrides[key] = yaml.safe_load(value)
     args = {**CTR_ARGS, "train_batches": ranks * budget.training_steps, **overrides}
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # before any rank initialises NCCL (the children inherit it)
@@ -265,30 +268,30 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ddp_table1: {ranks} ranks on {ns.device}, ctr {args}, budget {dataclasses.asdict(budget)}", flush=True)
     import torch.multiprocessing as mp
 
-    ctx = mp.spawn(rank_main, args=(ns, ranks, args, argv), nprocs=ranks, join=False)
+    out = ctx.path(".json")  # rank 0 writes the table here as it goes; the runner rewrites it at the end
+    ctx.save({"ranks": ranks, "complete": False})
+    procs = mp.spawn(rank_main, args=(ns, ranks, args, argv, str(out)), nprocs=ranks, join=False)
 
     def stop(signum, frame):  # a time limit (`timeout` sends SIGTERM) must not leave ranks holding GPUs
-        for p in ctx.processes:
+        for p in procs.processes:
             if p.is_alive():
                 p.terminate()
-        for p in ctx.processes:
+        for p in procs.processes:
             p.join(10)
-        print(f"ddp_table1: stopped by signal {signum}; --out holds the variants done", file=sys.stderr, flush=True)
+        print(f"ddp_table1: stopped by signal {signum}; DIR/ddp_table1.json holds the variants done",
+              file=sys.stderr, flush=True)
         os._exit(128 + signum)
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:
-        while not ctx.join():
+        while not procs.join():
             pass
     except mp.ProcessExitedException as e:
-        print(f"ddp_table1: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 1
+        raise CaseError(f"error: {' '.join(str(e).split())}") from None
     except mp.ProcessRaisedException as e:
-        print(f"ddp_table1: error: a rank failed:\n{e}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        raise CaseError(f"error: a rank failed:\n{e}") from None
+    doc = json.loads(out.read_text())
+    if doc.get("failed"):
+        ctx.rc = 1
+    return doc

@@ -7,39 +7,42 @@ a few steps of each variant, the blocking runtime calls (``cudaStreamSynchronize
 ``cudaDeviceSynchronize``, ``cudaEventSynchronize``, device-to-host ``cudaMemcpy*``), the CPU
 time spent in them, and the whole CPU time of the step.
 
-    python scripts/host_trace.py --workload dlrm --arg batch=4096 --device cuda --out trace.json
+    python -m erase_tune.benchmarks host_trace --out DIR --workload dlrm --arg batch=4096 --device cuda
+
+(recorded with scripts/host_trace.py, now this case.)
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
+import dataclasses
 import time
-from pathlib import Path
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from erase_tune.runtime import Cut, ErasePlan, Graphed, Placement  # noqa: E402
-from erase_tune.runtime.device import resolve_device, synchronize  # noqa: E402
-from erase_tune.measure.trial import Variant, build_engine  # noqa: E402
-from erase_tune.workloads import get_workload, workload_args  # noqa: E402
+from erase_tune.benchmarks.case import Context, case, opt
+from erase_tune.measure.trial import Variant, build_engine
+from erase_tune.runtime import Cut, ErasePlan, Graphed, Placement
+from erase_tune.runtime.device import resolve_device, synchronize
+from erase_tune.workloads import get_workload, workload_args
 
 BLOCKING = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workload", default="dlrm")
-    ap.add_argument("--arg", action="append", default=[])
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--place", default="bot_l")
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--out")
-    a = ap.parse_args()
+@dataclasses.dataclass
+class Options:
+    workload: str = opt("dlrm", "the workload")
+    arg: list[str] = opt([], "a workload argument KEY=VALUE")
+    device: str = opt("auto", "device (auto, cuda, cpu)")
+    place: str = opt("bot_l", "the module placed, cut and graphed")
+    steps: int = opt(5, "profiled steps per variant")
+
+
+@case("host_trace", Options, cuda="optional", recorded_with="scripts/host_trace.py",
+      description="CUDA runtime calls that block the host per step, per variant, from a profiler trace",
+      figures=("00.2a What the placement's cost is: a profiler trace of dlrm's step",))
+def host_trace(a: Options, ctx: Context) -> dict[str, Any]:
     args = workload_args(a.arg)
     workload, device = get_workload(a.workload, args), resolve_device(a.device)
     torch.manual_seed(0)
@@ -73,14 +76,9 @@ def main() -> None:
         del v
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    table = []
     for name, r in rows.items():
         per = ", ".join(f"{k} {n:g}" for k, n in sorted(r["blocking_calls_per_step"].items()))
-        print(f"{name:<28} host {r['host_ms_per_step']:6.2f} ms/step, of which blocked "
-              f"{r['blocking_ms_per_step']:5.2f} ms; per step: {per or 'no blocking call'}")
-    if a.out:
-        Path(a.out).write_text(json.dumps(rows, indent=1))
-
-
-
-if __name__ == "__main__":
-    main()
+        table.append(f"{name:<28} host {r['host_ms_per_step']:6.2f} ms/step, of which blocked "
+                     f"{r['blocking_ms_per_step']:5.2f} ms; per step: {per or 'no blocking call'}")
+    return {"rows": rows, "table": "\n".join(table)}

@@ -1,8 +1,10 @@
 """Tuner efficiency by replay: hypervolume within the NE budget against measured trials, for
 every sampler, over several seeds, on a table of plans measured on the GPU.
 
-    python scripts/sampler_efficiency.py --table docs/results/replay_ctr_h200.json \
-        --space search_spaces/ctr-replay.yaml [--trials 60] [--seeds 3] [--out results.json]
+    python -m erase_tune.benchmarks sampler_efficiency --out DIR --table docs/results/h200-2026-12-01/replay_ctr.json \
+        --space search_spaces/ctr-replay.yaml [--trials 60] [--seeds 3] [--png hv.png]
+
+(recorded with scripts/sampler_efficiency.py, now this case; every run is in DIR/sampler_efficiency.json.)
 
 Every number this prints is a REPLAY: the studies are real Optuna studies over the space,
 but each proposed plan is answered from the table (erase_tune.tune.search.replay). The reference
@@ -12,33 +14,41 @@ must reach, within 20 measured trials, the hypervolume random search has after 6
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import statistics
-import sys
 from pathlib import Path
+from typing import Any
 
-from erase_tune.tune.search.checks import check_space
-from erase_tune.tune.search.replay import ReplayTable, replay_study
-from erase_tune.tune.search.space import SearchSpace
-from erase_tune.tune.search.study import SAMPLERS
+from erase_tune.benchmarks.case import Context, case, opt
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--table", required=True)
-    ap.add_argument("--space", required=True)
-    ap.add_argument("--trials", type=int, default=60)
-    ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1")
-    ap.add_argument("--samplers", default=",".join(SAMPLERS))
-    ap.add_argument("--out", help="JSON with every run's points and hypervolume history")
-    ap.add_argument("--png", help="plot the mean hypervolume (and its range over seeds) against trials")
-    ap.add_argument("--replot", action="store_true", help="only redraw --png from an existing --out")
-    ns = ap.parse_args(argv)
+@dataclasses.dataclass
+class Options:
+    table: str = opt("docs/results/h200-2026-12-01/replay_ctr.json", "the replay table (measured on the GPU: replay_table)")
+    space: str = opt("search_spaces/ctr-replay.yaml", "the space the table covers")
+    trials: int = opt(60, "measured trials per study")
+    seeds: int = opt(3, "studies per sampler")
+    first_seed: int = opt(0, "seeds first-seed .. first-seed + seeds - 1")
+    samplers: str = opt("", "samplers, comma separated (default: every one)")
+    png: str | None = opt(None, "plot the mean hypervolume (and its range over seeds) against trials")
+    replot: str | None = opt(None, "only redraw --png from this earlier result JSON")
+
+
+@case("sampler_efficiency", Options, recorded_with="scripts/sampler_efficiency.py",
+      description="REPLAY: hypervolume within the NE budget against measured trials, per sampler, over seeds",
+      figures=("0.3 Tuner efficiency, by replay (the table and the figure docs/results/h200-2026-12-01/sampler_efficiency.png)",))
+def sampler_efficiency(ns: Options, ctx: Context) -> dict[str, Any]:
+    from erase_tune.tune.search.checks import check_space
+    from erase_tune.tune.search.replay import ReplayTable, replay_study
+    from erase_tune.tune.search.space import SearchSpace
+    from erase_tune.tune.search.study import SAMPLERS
+
     if ns.replot:
-        plot(json.loads(Path(ns.out).read_text()), ns.png)
-        return 0
+        done = json.loads(Path(ns.replot).read_text())
+        plot(done.get("result", done), ns.png)
+        return {"replot": ns.replot, "png": ns.png, "table": f"redrew {ns.png} from {ns.replot}"}
+    samplers = ns.samplers or ",".join(SAMPLERS)
     table = ReplayTable.load(ns.table)
     space = SearchSpace.load(ns.space)
     checked = check_space(space)
@@ -47,38 +57,37 @@ def main(argv: list[str] | None = None) -> int:
           f"({table.provenance.get('date_utc')}); best gain within NE gap {space.max_ne_gap:.2%}: {best:+.2%}")
     runs = {name: [replay_study(checked, table, sampler=name, seed=seed, trials=ns.trials)
                    for seed in range(ns.first_seed, ns.first_seed + ns.seeds)]
-            for name in ns.samplers.split(",")}
+            for name in samplers.split(",")}
+    lines: list[str] = []
     marks = [k for k in (5, 10, 20, 30, 40, 60) if k <= ns.trials]
-    print(f"{'sampler':<8} " + " ".join(f"{'HV@' + str(k):>9}" for k in marks) + "   (mean over seeds)")
+    lines.append(f"{'sampler':<8} " + " ".join(f"{'HV@' + str(k):>9}" for k in marks) + "   (mean over seeds)")
 
     def at(run, k: int) -> float:
         hv = run.hypervolume
         return hv[min(k, len(hv)) - 1] if hv else 0.0
 
     for name, rs in runs.items():
-        print(f"{name:<8} " + " ".join(f"{statistics.mean(at(r, k) for r in rs):>9.5f}" for k in marks))
+        lines.append(f"{name:<8} " + " ".join(f"{statistics.mean(at(r, k) for r in rs):>9.5f}" for k in marks))
     if "random" in runs:
         target = statistics.mean(at(r, ns.trials) for r in runs["random"])
-        print(f"random search's {ns.trials}-trial hypervolume, mean of {ns.seeds} seeds: {target:.7f}")
+        lines.append(f"random search's {ns.trials}-trial hypervolume, mean of {ns.seeds} seeds: {target:.7f}")
         for name, rs in runs.items():
             mean = [statistics.mean(at(r, k) for r in rs) for k in range(1, ns.trials + 1)]
             crossed = next((k + 1 for k, h in enumerate(mean) if h >= target), None)
             reached = [next((i + 1 for i, h in enumerate(r.hypervolume) if h >= target), None) for r in rs]
             within = sum(1 for k in reached if k is not None and k <= 20)
             median = statistics.median(k if k is not None else ns.trials + 1 for k in reached)
-            print(f"{name}: mean curve reaches it after {crossed} trials; per seed: median {median} "
+            lines.append(f"{name}: mean curve reaches it after {crossed} trials; per seed: median {median} "
                   f"(never: {ns.trials + 1}), within 20 trials on {within} of {len(rs)}")
-    if ns.out or ns.png:
-        result = {
-            "replay": True, "table_provenance": dict(table.provenance), "space": ns.space, "trials": ns.trials,
-            "runs": {name: [{"seed": r.seed, "points": r.points, "hypervolume": r.hypervolume, "proposals": r.proposals}
-                            for r in rs] for name, rs in runs.items()},
-        }
-        if ns.out:
-            Path(ns.out).write_text(json.dumps(result, indent=1))
-        if ns.png:
-            plot(result, ns.png)
-    return 0
+    result = {
+        "replay": True, "table_provenance": dict(table.provenance), "space": ns.space, "trials": ns.trials,
+        "runs": {name: [{"seed": r.seed, "points": r.points, "hypervolume": r.hypervolume, "proposals": r.proposals}
+                        for r in rs] for name, rs in runs.items()},
+        "table": "\n".join(lines),
+    }
+    if ns.png:
+        plot(result, ns.png)
+    return result
 
 
 def plot(result: dict, path: str) -> None:
@@ -105,7 +114,3 @@ def plot(result: dict, path: str) -> None:
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110, metadata={"Software": None})
-
-
-if __name__ == "__main__":
-    sys.exit(main())

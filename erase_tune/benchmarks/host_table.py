@@ -14,29 +14,28 @@ variant starts from the same weights, sees the same batches, and is timed in int
 windows on the device (erase_tune.measure.time_interleaved); each ratio is the per-window
 median-QPS ratio against the plain loop, median [lo, hi].
 
-    python scripts/host_table.py --workload dlrm --arg batch=4096 --device cuda --out host.json
+    python -m erase_tune.benchmarks host_table --out DIR --workload dlrm --arg batch=4096 --device cuda
+
+(recorded with scripts/host_table.py, now this case; its JSON is DIR/host_table.json.)
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
-import sys
-from pathlib import Path
+import dataclasses
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from erase_tune.measure import provenance, ratio_spread, time_interleaved  # noqa: E402
-from erase_tune.measure.hostcpu import host_cpu_interleaved, host_tax  # noqa: E402
-from erase_tune.measure.timing import ORDERS  # noqa: E402
-from erase_tune.runtime import Cut, ErasePlan, Graphed, Placement  # noqa: E402
-from erase_tune.runtime.device import resolve_device  # noqa: E402
-from erase_tune.measure.trial import GRAPH_WARMUP, Variant, build_engine, jsonable_args  # noqa: E402
-from erase_tune.workloads import get_workload, workload_args  # noqa: E402
+from erase_tune.benchmarks.case import Context, case, opt
+from erase_tune.measure import ratio_spread, time_interleaved
+from erase_tune.measure.hostcpu import host_cpu_interleaved, host_tax
+from erase_tune.measure.timing import ORDERS
+from erase_tune.measure.trial import GRAPH_WARMUP, Variant, build_engine, jsonable_args
+from erase_tune.runtime import Cut, ErasePlan, Graphed, Placement
+from erase_tune.runtime.device import resolve_device
+from erase_tune.workloads import get_workload, workload_args
 
 
 class _PassThrough(TorchFunctionMode):
@@ -101,27 +100,30 @@ class _Plain:
         setattr(self.model.get_submodule(parent) if parent else self.model, name, graphed)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workload", default="dlrm")
-    ap.add_argument("--arg", action="append", default=[], help="workload argument key=value")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--place", default="bot_l", help="the module placed and cut")
-    ap.add_argument("--graph", default="top_l", help="the module graphed (by hand and by the engine)")
-    ap.add_argument("--also-graph", default="bot_l", help="graphed beside --graph in the last engine row")
-    ap.add_argument("--negligible", default="auto",
-                    help="a module whose work is negligible, placed on a side stream (auto: the last leaf of the model)")
-    ap.add_argument("--cpu-windows", type=int, default=400, help="rounds of the host-CPU pass (0: none)")
-    ap.add_argument("--cpu-order", choices=ORDERS, default="rotate",
-                    help="runners' order in each round of the CPU pass (rotated: a runner nearly always follows the "
-                         "same one; shuffled: a fresh seeded order per round)")
-    ap.add_argument("--cpu-window-steps", type=int, default=1,
-                    help="steps per variant per round of the host-CPU pass (default 1: the variants alternate "
-                         "step by step, so drift between windows cancels)")
-    ap.add_argument("--windows", type=int, default=8)
-    ap.add_argument("--window-steps", type=int, default=30)
-    ap.add_argument("--out")
-    a = ap.parse_args()
+@dataclasses.dataclass
+class Options:
+    workload: str = opt("dlrm", "the workload")
+    arg: list[str] = opt([], "workload argument KEY=VALUE")
+    device: str = opt("auto", "device (auto, cuda, cpu)")
+    place: str = opt("bot_l", "the module placed and cut")
+    graph: str = opt("top_l", "the module graphed (by hand and by the engine)")
+    also_graph: str = opt("bot_l", "graphed beside --graph in the last engine row")
+    negligible: str = opt("auto", "a module whose work is negligible, placed on a side stream (auto: the last leaf)")
+    cpu_windows: int = opt(400, "rounds of the host-CPU pass (0: none)")
+    cpu_order: str = opt("rotate", "runners' order in each round of the CPU pass (rotated: a runner nearly always "
+                         "follows the same one; shuffled: a fresh seeded order per round)", choices=ORDERS)
+    cpu_window_steps: int = opt(1, "steps per variant per round of the host-CPU pass (1: the variants alternate "
+                                "step by step, so drift between windows cancels)")
+    windows: int = opt(8, "timing windows")
+    window_steps: int = opt(30, "steps per window")
+
+
+@case("host_table", Options, cuda="optional", recorded_with="scripts/host_table.py",
+      description="the plain loop against the engine's variants: QPS ratios and host CPU tax per step",
+      figures=("00.1 Where a host-bound step's time goes, re-measured on the product",
+               "00.4 The host tax as CPU time", "00.6 The stream fast path (the host table again)",
+               "00.7 A lean join (host table with by-hand rows)", "00.8 Host CPU µs per step over the plain loop"))
+def host_table(a: Options, ctx: Context) -> dict[str, Any]:
     args = workload_args(a.arg)
     workload = get_workload(a.workload, args)
     device = resolve_device(a.device)
@@ -178,8 +180,8 @@ def main() -> None:
             hand = by_hand if "deferred" in name else by_hand_blocking
             row["cpu_tax_over_head_us"] = list(host_tax(cpu, name, hand)) if "detached" in name else None
         rows.append(row)
-    print(f"{'variant, batch ' + str(batch):<60} {'ms/step':>8} {'vs plain loop':>22} {'host CPU µs':>12} "
-          f"{'CPU tax µs [lo, hi]':>24} {'main thread':>12} {'beyond head':>12}")
+    table = [f"{'variant, batch ' + str(batch):<60} {'ms/step':>8} {'vs plain loop':>22} {'host CPU µs':>12} "
+             f"{'CPU tax µs [lo, hi]':>24} {'main thread':>12} {'beyond head':>12}"]
     for r in rows:
         m, lo, hi = r["vs_plain"]
         line = f"{r['variant']:<60} {r['ms_per_step']:>8.3f} {m:>8.3f}x [{lo:.3f}-{hi:.3f}]"
@@ -188,19 +190,15 @@ def main() -> None:
             over = r["cpu_tax_over_head_us"]
             line += (f" {r['cpu_us_per_step']:>12,.0f} {f'{tm:+,.0f} [{tl:+,.0f}, {th:+,.0f}]':>24}"
                      f" {r['main_thread_cpu_tax_us'][0]:>+12,.0f} {f'{over[0]:+,.0f}' if over else '-':>12}")
-        print(line)
+        table.append(line)
     if cpu is not None:
-        print(f"host CPU: process CPU time per step, median of {a.cpu_windows} interleaved rounds of "
-              f"{a.cpu_window_steps} step(s); {cpu.how}; 'main thread': the training thread's own share of "
-              "the tax; 'beyond head': over the plain loop doing the cut's aux-head work by hand (its backward at "
-              "once for blocking rows, with the main loss's for deferred)")
-    if a.out:
-        prov = provenance(device, workload=workload.name, workload_args=jsonable_args(workload.args),
-                          windows=a.windows, window_steps=a.window_steps, cpu_windows=a.cpu_windows,
-                          cpu_window_steps=a.cpu_window_steps,
-                          negligible=tiny, host_cpu=cpu.how if cpu else None)
-        Path(a.out).write_text(json.dumps({"rows": rows, "samples": t.to_dict(), "provenance": prov,
-                                           "host_cpu": cpu.to_dict() if cpu else None}, indent=1))
+        table.append(f"host CPU: process CPU time per step, median of {a.cpu_windows} interleaved rounds of "
+                     f"{a.cpu_window_steps} step(s); {cpu.how}; 'main thread': the training thread's own share of "
+                     "the tax; 'beyond head': over the plain loop doing the cut's aux-head work by hand (its backward "
+                     "at once for blocking rows, with the main loss's for deferred)")
+    return {"rows": rows, "samples": t.to_dict(), "host_cpu": cpu.to_dict() if cpu else None,
+            "workload": workload.name, "workload_args": jsonable_args(workload.args), "negligible": tiny,
+            "table": "\n".join(table)}
 
 
 def _on_side_stream(module: torch.nn.Module, device) -> None:
@@ -225,8 +223,3 @@ def _on_side_stream(module: torch.nn.Module, device) -> None:
 def _last_leaf(model: torch.nn.Module) -> str:
     """The model's last registered leaf module (for dlrm: the top MLP's Sigmoid)."""
     return [n for n, m in model.named_modules() if n and not list(m.children())][-1]
-
-
-
-if __name__ == "__main__":
-    main()
