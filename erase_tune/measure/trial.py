@@ -60,7 +60,7 @@ from erase_tune.workloads.limits import MAX_SEED
 
 __all__ = ["Budget", "VariantResult", "TrialResult", "TrialFailed", "run_trial", "build_engine", "Variant", "jsonable_args",
            "release", "reference_capture_error", "capture_error", "UNKNOWN", "BASELINE"]
-__all__ += ["check_workload_loss", "MAX_REPEATS", "GAIN_OVER", "exact_by_construction", "gradient_difference",
+__all__ += ["task_gaps", "check_workload_loss", "MAX_REPEATS", "GAIN_OVER", "exact_by_construction", "gradient_difference",
             "agree_with_rank0", "EXACT_RTOL", "prepare"]
 
 GRAPH_WARMUP = 3
@@ -240,6 +240,10 @@ class TrialResult:
     reference_error: str | None = None
     """Why the whole-step-graph reference was left out (its capture failed), in one line; None
     when it ran or was not asked for."""
+    ne_tasks: Mapping[str, Mapping[str, float | None]] | None = None
+    """A multi-task workload's NE per task: ``{task: {"baseline", "candidate", "gap"}}`` (each task
+    against its own label prior; ``ne_*`` above are the main task's). None for a single task. A
+    value not measured (the baseline's, when a cached ``baseline_ne`` stood in for it) is None."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form, raw samples included."""
@@ -444,6 +448,7 @@ def run_trial(
             _check_finite(name, v, process_group)
         exact = bool(exact_ok and exact_ok[0])
         ne: dict[str, float | None] = {"baseline": baseline_ne, "candidate": baseline_ne}
+        per_task: dict[str, dict[str, float]] = {}  # each task's NE, by variant
         if not exact:
             quality = ("candidate",) if baseline_ne is not None else ("baseline", "candidate")
             # On to the same training length whatever the timing ran: NE compares across trials.
@@ -453,7 +458,8 @@ def run_trial(
                         variants[name](step)
             for name in quality:
                 _check_finite(name, variants[name], process_group)
-                value = workload.normalized_entropy(variants[name].engine.model, data)
+                per_task[name] = workload.normalized_entropies(variants[name].engine.model, data)
+                value = per_task[name][workload.main.name] if workload.main else per_task[name][workload.name]
                 if not math.isfinite(value):
                     raise TrialFailed(f"{name}: held-out NE is {value}")
                 ne[name] = value
@@ -505,11 +511,29 @@ def run_trial(
             device, workload=workload.name, workload_args=jsonable_args(workload.args),
             budget=dataclasses.asdict(budget), training_steps=trained, gain_over=gain_over, stop_below=stop_below,
             baseline_ne_cached=baseline_ne is not None, ranks=world,
+            **({"main_task": workload.main.name} if workload.main is not None else {}),
             # > 1 means batches were re-read; a CTR proxy over-fits on a second pass, so NE is then suspect.
             data_passes=round(trained * world / len(data.train), 3),
         ),
         reference_error=ref_error,
+        ne_tasks=task_gaps(workload, ne, per_task, exact),
     )
+
+
+def task_gaps(workload: Workload, ne: Mapping[str, float | None], per_task: Mapping[str, Mapping[str, float]],
+              exact: bool) -> dict[str, dict[str, float | None]] | None:
+    """``TrialResult.ne_tasks``: each task's NE under the baseline and the candidate, and its gap
+    (0 for a plan verified exact); the main task's baseline is ``ne``'s where it was cached."""
+    if not workload.tasks or workload.main is None:
+        return None
+    out: dict[str, dict[str, float | None]] = {}
+    for task in workload.tasks:
+        main = task.name == workload.main.name
+        base = per_task.get("baseline", {}).get(task.name, ne["baseline"] if main else None)
+        cand = base if exact else per_task.get("candidate", {}).get(task.name)
+        gap = 0.0 if exact else (None if base is None or cand is None else (cand - base) / base)
+        out[task.name] = {"baseline": base, "candidate": cand, "gap": gap}
+    return out
 
 
 def gradient_difference(model: torch.nn.Module, reference: torch.nn.Module,
