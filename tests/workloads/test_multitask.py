@@ -233,3 +233,33 @@ def test_a_label_column_the_target_lacks_is_one_line_naming_the_task():
                                                                        quality_steps=2), device="cpu")
     assert "task 'purchase': label column 2 is not in the target (32, 2)" in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def _doc_files() -> dict[str, str]:
+    """``path -> text`` of docs/workloads.md's ``# file:`` blocks."""
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "workloads.md").read_text()
+    blocks = (body for _, body in re.findall(r"```(\w*)\n(.*?)```", page, re.S))
+    return {b.splitlines()[0].removeprefix("# file: ").strip(): b for b in blocks if b.startswith("# file: ")}
+
+
+@pytest.mark.parametrize("script", ["check_grads_tasks.py", "check_grads.py"])
+def test_the_guides_gradient_checks_run_on_the_two_task_model_and_the_ranker(tmp_path, script):
+    """docs/workloads.md's multi-task example and section 5's check, as written: the check takes
+    the two-task model's list output, and still takes the single-output ranker."""
+    import os
+    import subprocess
+    import sys
+
+    files = _doc_files()
+    for rel in ("my_tasks/__init__.py", "my_ranker/__init__.py", script):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(files[rel])
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}  # this checkout's erase_tune
+    done = subprocess.run([sys.executable, script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and "gradients match the reference" in done.stdout, done.stderr[-3000:]
