@@ -392,6 +392,8 @@ def run_trial(
     if gain_over == "graph" and ref_error is not None:
         raise EraseTuneError("gain_over: graph needs the whole-step-graph reference, which cannot be captured for "
                              f"this workload ({ref_error}): use gain_over: eager")
+    if len(workload.tasks) > 1:  # a cached NE is the main task's alone: train the baseline for every task's
+        baseline_ne = None
     data, init = prepare(workload, device, budget.seed)
     plan.check_model(init)
     rank, world = ranks_of(process_group)

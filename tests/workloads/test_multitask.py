@@ -168,6 +168,9 @@ def test_run_trial_reports_each_tasks_ne_gap_and_the_main_tasks_as_ne_gap():
                       budget, device="cpu")
     assert other.ne_gap == other.ne_tasks["conversion"]["gap"]
     assert other.ne_tasks == tasks  # the same training: the main task only picks ne_gap
+    # A baseline NE cached by a study is the main task's alone: the baseline still trains for each task's.
+    cached = run_trial(wl, ErasePlan(cuts=(Cut(module="bottom"),)), budget, device="cpu", baseline_ne=0.5)
+    assert cached.ne_tasks == tasks and cached.provenance["baseline_ne_cached"] is False
     # A plan with no cuts: exact, every task's gap 0.
     exact = run_trial(wl, ErasePlan(), budget, device="cpu")
     assert exact.exact and {k: v["gap"] for k, v in exact.ne_tasks.items()} == {"click": 0.0, "conversion": 0.0}
