@@ -6,6 +6,12 @@ model_output)``. Every head is seeded from its cut's name (the same init in ever
 and checked once on the example batch: it must map the cut's output to the model output's
 shape and give ``loss_fn`` a finite value; anything else is a one-line :class:`PlanError`
 that names the cut and the fix.
+
+A multi-task prediction (a dict ``{task name: tensor}``) gets one head per task
+(:class:`TaskHeads`), each checked against its task's output and named in the line. Where a
+task's output ends in a sigmoid and its head's does not, the head's values on the example batch
+prove nothing about the next step's, so a loss that rejects values outside [0, 1] (BCE) refuses
+the head at once instead of failing at a later training step.
 """
 
 from __future__ import annotations
