@@ -266,3 +266,25 @@ def test_the_guides_gradient_checks_run_on_the_two_task_model_and_the_ranker(tmp
     done = subprocess.run([sys.executable, script], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0 and "gradients match the reference" in done.stdout, done.stderr[-3000:]
+
+
+def test_the_same_check_holds_for_a_single_output_model_ending_in_a_sigmoid():
+    """One task, no tasks=: a raw head under BCE is refused whatever its values on the example."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1), nn.Sigmoid(), nn.Flatten(0))
+    x, y = torch.randn(16, 8), torch.bernoulli(torch.full((16,), 0.3))
+
+    def raw(name, cut_out, model_out):
+        head = LinearHead(cut_out.shape[-1], 1, squeeze=True)
+        nn.init.zeros_(head.proj.weight)
+        nn.init.constant_(head.proj.bias, 0.5)
+        return head
+
+    with pytest.raises(PlanError, match=r"^cut '0': the aux head's output does not end in a sigmoid like the model's"):
+        EraseEngine(model, ErasePlan(cuts=(Cut(module="0"),)), loss_fn=F.binary_cross_entropy, example=((x,), y),
+                    make_head=raw)
+    with_sigmoid = lambda name, cut_out, model_out: nn.Sequential(raw(name, cut_out, model_out), nn.Sigmoid())
+    engine = EraseEngine(model, ErasePlan(cuts=(Cut(module="0"),)), loss_fn=F.binary_cross_entropy,
+                         example=((x,), y), make_head=with_sigmoid)
+    assert torch.isfinite(engine.step((x,), y))
+    engine.close()
