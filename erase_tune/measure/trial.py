@@ -70,7 +70,7 @@ from erase_tune.workloads.limits import MAX_SEED
 __all__ = ["Budget", "Ranking", "VariantResult", "TrialResult", "TrialFailed", "run_trial", "build_engine", "Variant",
            "jsonable_args",
            "release", "reference_capture_error", "capture_error", "UNKNOWN", "BASELINE"]
-__all__ += ["check_workload_loss", "MAX_REPEATS", "GAIN_OVER", "exact_by_construction", "gradient_difference",
+__all__ += ["task_gaps", "check_workload_loss", "MAX_REPEATS", "GAIN_OVER", "exact_by_construction", "gradient_difference",
             "agree_with_rank0", "EXACT_RTOL", "prepare"]
 
 GRAPH_WARMUP = 3
@@ -265,6 +265,10 @@ class TrialResult:
     reference_error: str | None = None
     """Why the whole-step-graph reference was left out (its capture failed), in one line; None
     when it ran or was not asked for."""
+    ne_tasks: Mapping[str, Mapping[str, float | None]] | None = None
+    """A multi-task workload's NE per task: ``{task: {"baseline", "candidate", "gap"}}`` (each task
+    against its own label prior; ``ne_*`` above are the main task's). None for a single task. A
+    value not measured (the baseline's, when a cached ``baseline_ne`` stood in for it) is None."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form, raw samples included."""
@@ -400,6 +404,7 @@ def run_trial(
     device = resolve_device(device)
     with_reference = _check_trial_options(budget, device, gain_over, stop_below)
     ref_error = _reference_error(workload, budget, device, with_reference, reference_error, gain_over)
+    baseline_ne = None if len(workload.tasks) > 1 else baseline_ne  # a cached NE is only the main task's
     data, init = prepare(workload, device, budget.seed)
     plan.check_model(init)
     world = ranks_of(process_group)[1]
@@ -412,10 +417,11 @@ def run_trial(
                                   check if exact_by_construction(plan) else None, process_group)
         exact = bool(check.ok)
         ne: dict[str, float | None] = {"baseline": baseline_ne, "candidate": baseline_ne}
+        per_task: dict[str, dict[str, float]] = {}  # each task's NE, by variant
         if not exact:
             quality = ("candidate",) if baseline_ne is not None else ("baseline", "candidate")
             ne.update(_train_for_quality(workload, {n: variants[n] for n in quality}, measured,
-                                         budget.training_steps, process_group))
+                                         budget.training_steps, process_group, per_task))
     finally:
         release(variants.values(), device)
         variants.clear()
@@ -423,7 +429,7 @@ def run_trial(
     return TrialResult(
         workload=workload.name, plan=plan, batch_size=workload.batch_size * world, exact=exact, exact_diff=check.diff,
         reference_error=ref_error, **_measured_fields(measured, plans, workload.batch_size * world),
-        **_quality_fields(ne, exact), duration_s=time.perf_counter() - started,
+        **_quality_fields(workload, ne, per_task, exact), duration_s=time.perf_counter() - started,
         provenance=_trial_provenance(workload, budget, device, data, world, trained, gain_over=gain_over,
                                      stop_below=stop_below, baseline_ne_cached=baseline_ne is not None),
     )
@@ -436,6 +442,7 @@ def _trial_provenance(workload: Workload, budget: Budget, device: torch.device, 
     return provenance(
         device, workload=workload.name, workload_args=jsonable_args(workload.args),
         budget=dataclasses.asdict(budget), training_steps=trained, **settings, ranks=world,
+        **({"main_task": workload.main.name} if workload.main is not None else {}),
         # > 1 means batches were re-read; a CTR proxy over-fits on a second pass, so NE is then suspect.
         data_passes=round(trained * world / len(data.train), 3),
     )
@@ -554,9 +561,11 @@ class _ExactnessCheck:
 
 
 def _train_for_quality(workload: Workload, variants: Mapping[str, Variant], measured: ProtocolResult,
-                       training_steps: int, process_group: Any) -> dict[str, float]:
+                       training_steps: int, process_group: Any,
+                       per_task: dict[str, dict[str, float]]) -> dict[str, float]:
     """``variants`` (the candidate, and the baseline unless its NE is cached) trained on to
-    ``training_steps`` from where their timing stopped, and their held-out NE."""
+    ``training_steps`` from where their timing stopped, and their held-out NE (the main task's;
+    each task's into ``per_task``, by variant)."""
     quality = list(variants)
     # On to the same training length whatever the timing ran: NE compares across trials.
     for step in range(min(measured.next_steps[n] for n in quality), training_steps):
@@ -566,21 +575,24 @@ def _train_for_quality(workload: Workload, variants: Mapping[str, Variant], meas
     ne: dict[str, float] = {}
     for name in quality:
         _check_finite(name, variants[name], process_group)
-        value = workload.normalized_entropy(variants[name].engine.model, variants[name].data)
+        per_task[name] = workload.normalized_entropies(variants[name].engine.model, variants[name].data)
+        value = per_task[name][workload.main.name] if workload.main else per_task[name][workload.name]
         if not math.isfinite(value):
             raise TrialFailed(f"{name}: held-out NE is {value}")
         ne[name] = value
     return ne
 
 
-def _quality_fields(ne: Mapping[str, float | None], exact: bool) -> dict[str, Any]:
-    """The NE fields of a :class:`TrialResult`."""
+def _quality_fields(workload: Workload, ne: Mapping[str, float | None], per_task: Mapping[str, Mapping[str, float]],
+                    exact: bool) -> dict[str, Any]:
+    """The NE fields of a :class:`TrialResult` (the main task's, and each task's: :func:`task_gaps`)."""
     if exact:
         ne_gap = 0.0
     else:
         assert ne["candidate"] is not None and ne["baseline"] is not None
         ne_gap = (ne["candidate"] - ne["baseline"]) / ne["baseline"]
-    return {"ne_baseline": ne["baseline"], "ne_candidate": ne["candidate"], "ne_gap": ne_gap}
+    return {"ne_baseline": ne["baseline"], "ne_candidate": ne["candidate"], "ne_gap": ne_gap,
+            "ne_tasks": task_gaps(workload, ne, per_task, exact)}
 
 
 def _measured_fields(measured: ProtocolResult, plans: Mapping[str, ErasePlan], batch: int) -> dict[str, Any]:
@@ -605,6 +617,22 @@ def _measured_fields(measured: ProtocolResult, plans: Mapping[str, ErasePlan], b
                                     else None),
         gain_detach_only=(gain(results["detach_only"].p90_qps, base.p90_qps) if "detach_only" in results else None),
     )
+
+
+def task_gaps(workload: Workload, ne: Mapping[str, float | None], per_task: Mapping[str, Mapping[str, float]],
+              exact: bool) -> dict[str, dict[str, float | None]] | None:
+    """``TrialResult.ne_tasks``: each task's NE under the baseline and the candidate, and its gap
+    (0 for a plan verified exact); the main task's baseline is ``ne``'s where it was cached."""
+    if not workload.tasks or workload.main is None:
+        return None
+    out: dict[str, dict[str, float | None]] = {}
+    for task in workload.tasks:
+        main = task.name == workload.main.name
+        base = per_task.get("baseline", {}).get(task.name, ne["baseline"] if main else None)
+        cand = base if exact else per_task.get("candidate", {}).get(task.name)
+        gap = 0.0 if exact else (None if base is None or cand is None else (cand - base) / base)
+        out[task.name] = {"baseline": base, "candidate": cand, "gap": gap}
+    return out
 
 
 def gradient_difference(model: torch.nn.Module, reference: torch.nn.Module,

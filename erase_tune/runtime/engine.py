@@ -121,7 +121,10 @@ class EraseEngine:
             ``(loss, (loss, logits, labels))``): the main loss is then
             ``loss_fn(output(model_output), target)``, and the probe and the default aux
             heads see the prediction alone. ``None`` (the default) hands ``loss_fn`` the
-            model's output as it is.
+            model's output as it is. A multi-task model's prediction may be a dict
+            ``{task name: tensor}`` (a workload's ``tasks=`` makes one): ``loss_fn`` takes the
+            dict, and a cut's default aux head is one :class:`LinearHead` per task, each ending in
+            its task output's activation (:class:`~erase_tune.runtime.heads.TaskHeads`).
         model_loss: optional ``model_loss(model_output) -> loss`` for a model that computes
             its own loss (``DLRMTrain``: ``lambda out: out[0]``; its logits in ``out[1]`` are
             detached): that is the main loss, and ``loss_fn`` serves the cuts' local losses

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from erase_tune.errors import EraseTuneError, PlanError, shown
 from erase_tune.runtime.pieces import tensors_in
 from erase_tune.runtime.plan import ErasePlan
-from erase_tune.runtime.probe import select_output
+from erase_tune.runtime.probe import select_output, task_tensors
 
 __all__ = ["check_loss", "check_loss_value", "main_loss", "check_main_loss"]
 
@@ -92,7 +92,8 @@ def main_loss(out: Any, target: Tensor, loss_fn: Callable[[Tensor, Tensor], Tens
     if output is None:
         return loss_fn(out, target)
     pred = select_output(output, out)
-    if torch.is_grad_enabled() and not pred.requires_grad and any(t.requires_grad for t in tensors_in(out)):
+    if (torch.is_grad_enabled() and not any(p.requires_grad for p in tensors_in(pred))
+            and any(t.requires_grad for t in tensors_in(out))):
         raise EraseTuneError("output=: the prediction it picks is detached in the model's output, so no loss on it "
                              "trains the model: pass model_loss= to pick the loss the model computes itself "
                              "(DLRMTrain: lambda out: out[0])")
@@ -110,7 +111,12 @@ def check_main_loss(main: Tensor, plan: ErasePlan) -> None:
     raise EraseTuneError("the loss does not require grad: no trainable parameter reaches the model's output")
 
 
-def _doubled(output: Any, target: Tensor) -> tuple[Tensor, Tensor] | None:
+def _doubled(output: Any, target: Tensor) -> tuple[Any, Tensor] | None:
+    if task_tensors(output):  # a multi-task prediction: each task's repeated
+        twice = [_doubled(v, target) for v in output.values()]
+        if any(t is None for t in twice):
+            return None
+        return {k: t[0] for k, t in zip(output, twice) if t is not None}, torch.cat([target, target])
     if not isinstance(output, Tensor) or not isinstance(target, Tensor) or output.dim() == 0 or target.dim() == 0:
         return None
     if output.shape[0] != target.shape[0]:
@@ -119,6 +125,8 @@ def _doubled(output: Any, target: Tensor) -> tuple[Tensor, Tensor] | None:
 
 
 def _shape(x: Any) -> str:
+    if task_tensors(x):
+        return "{" + ", ".join(f"{k}: {_shape(v)}" for k, v in x.items()) + "}"
     if isinstance(x, Tensor):
         return f"{tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}"
     return shown(type(x).__name__)

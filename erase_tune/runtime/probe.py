@@ -108,8 +108,9 @@ class ProbeResult:
     """The probe's model output (detached)."""
     outputs: Mapping[str, Tensor]
     """Each target's output (a run's last block; detached), for targets that return one tensor."""
-    output_activation: str
-    """How the model output was produced: ``sigmoid``, ``softmax``, ``log_softmax`` or ``none``."""
+    output_activation: Any
+    """How the model output was produced: ``sigmoid``, ``softmax``, ``log_softmax`` or ``none``
+    (a multi-task prediction: a dict of them, by task)."""
     facts: Mapping[str, _Facts]
     """Per probed target: calls, output type, graph nodes."""
     graph: _Graph
@@ -287,10 +288,19 @@ def select_output(output: Callable[[Any], Tensor], model_output: Any, label: str
         text = str(e).strip().splitlines()
         raise EraseTuneError(f"{label}=: fails on the model's output (a {what}): {type(e).__name__}: "
                              f"{one_line(text[0]) if text else ''}".rstrip(": ")) from None
+    if label != "model_loss" and task_tensors(pred):
+        return pred  # type: ignore[return-value]  # a multi-task prediction {task: tensor}
     if not isinstance(pred, Tensor):
         raise EraseTuneError(f"{label}=: returns {type(pred).__name__} from the model's output (a {what}), "
-                             f"but the {'loss' if label == 'model_loss' else 'prediction'} must be one tensor")
+                             f"but the {'loss' if label == 'model_loss' else 'prediction'} must be one tensor"
+                             f"{'' if label == 'model_loss' else ' (or a dict of them, one per task)'}")
     return pred
+
+
+def task_tensors(pred: Any) -> bool:
+    """Whether ``pred`` is a multi-task prediction: a non-empty dict ``{task name: tensor}``."""
+    return (isinstance(pred, dict) and bool(pred) and all(isinstance(k, str) for k in pred)
+            and all(isinstance(v, Tensor) for v in pred.values()))
 
 
 # -- recording the forward ----------------------------------------------------------------------
@@ -544,8 +554,16 @@ def _escaping_link(rec: _Record, nodes: _Nodes) -> str | None:
     return None
 
 
-def _activation(output: Any) -> str:
-    """``sigmoid``/``softmax``/``log_softmax`` if the output comes from one (through views), else ``none``."""
+def _activation(output: Any) -> Any:
+    """``sigmoid``/``softmax``/``log_softmax`` if the output comes from one (through views), else
+    ``none``; for a multi-task prediction, a dict of them by task."""
+    if task_tensors(output):
+        return {k: _activation(v) for k, v in output.items()}
+    return output_activation(output)
+
+
+def output_activation(output: Any) -> str:
+    """The activation one output tensor comes from (see :func:`_activation`)."""
     node = output.grad_fn if isinstance(output, Tensor) else None
     while node is not None:
         kind = re.sub(r"\d+$", "", type(node).__name__)

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 
 from erase_tune.errors import EraseTuneError, WorkloadError, one_line, shown
-from erase_tune.workloads.base import Batch, Workload, WorkloadData
+from erase_tune.workloads.base import Batch, Task, Workload, WorkloadData
 
-__all__ = ["BUILTINS", "Batch", "Workload", "WorkloadData", "get_workload", "module_of", "workload_args"]
+__all__ = ["BUILTINS", "Batch", "Task", "Workload", "WorkloadData", "get_workload", "module_of", "workload_args"]
 
 BUILTINS = ("ctr", "gpt", "mlp", "dlrm", "deepfm")
 """Built-in workloads; each is ``erase_tune.workloads.<name>.workload``."""

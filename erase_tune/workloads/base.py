@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Batch", "WorkloadData", "Workload", "prior_entropy"]
+__all__ = ["Batch", "WorkloadData", "Workload", "Task", "TaskLossError", "prior_entropy"]
 
 Batch = tuple[tuple[Tensor, ...], Tensor]
 """One batch: the model's positional inputs and the target the loss compares against."""
@@ -47,6 +47,106 @@ class WorkloadData:
         return self.train[step % len(self.train)]
 
 
+class TaskLossError(ValueError):
+    """One task's loss failed; the message names the task (``task 'click': ...``)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Task:
+    """One output of a multi-task model, with its own loss, label and NE.
+
+    ``output`` picks the task's prediction out of the model's output (``lambda out: out[0]``),
+    ``label`` its labels out of the batch's target: a column index of a (B, tasks) target, or a
+    function of the target. The task's loss is ``weight · loss_fn(prediction, labels)``.
+    """
+
+    name: str
+    output: Callable[[Any], Tensor]
+    """Picks this task's prediction out of the model's output."""
+    loss_fn: Callable[[Tensor, Tensor], Tensor]
+    """Mean-reduced ``loss_fn(prediction, labels)`` of this task (its cuts' local losses too)."""
+    label: int | Callable[[Tensor], Tensor]
+    """The column of the target that holds this task's labels, or a function picking them."""
+    weight: float = 1.0
+    """This task's weight in the training loss (and in every cut's local loss)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise ValueError(f"Task: name must be a non-empty string, got {self.name!r}")
+        for field in ("output", "loss_fn"):
+            if not callable(getattr(self, field)):
+                raise ValueError(f"task {self.name!r}: {field} must be callable, got {type(getattr(self, field)).__name__}")
+        label = self.label
+        if not callable(label) and (isinstance(label, bool) or not isinstance(label, int) or label < 0):
+            raise ValueError(f"task {self.name!r}: label must be a column index >= 0 or a function of the target, "
+                             f"got {label!r}")
+        weight = self.weight
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (math.isfinite(weight) and weight > 0):
+            raise ValueError(f"task {self.name!r}: weight must be a finite number > 0, got {weight!r}")
+
+    def labels(self, target: Tensor) -> Tensor:
+        """This task's labels in a batch's target."""
+        if callable(self.label):
+            return self.label(target)
+        if not isinstance(target, Tensor) or target.dim() < 2 or target.shape[-1] <= self.label:
+            shape = tuple(target.shape) if isinstance(target, Tensor) else type(target).__name__
+            raise TaskLossError(f"task {self.name!r}: label column {self.label} is not in the target {shape} "
+                                "(give each task's labels as a column of a (B, tasks) target)")
+        return target[..., self.label]
+
+
+class _TaskOutputs:
+    """``output=`` of a multi-task workload: the model output to ``{task name: prediction}``."""
+
+    def __init__(self, tasks: tuple[Task, ...]) -> None:
+        self.tasks = tasks
+
+    def __call__(self, model_output: Any) -> dict[str, Tensor]:
+        out = {}
+        for task in self.tasks:
+            try:
+                pred = task.output(model_output)
+            except Exception as e:  # noqa: BLE001 - the task's selector failed: say which task
+                text = str(e).strip().splitlines()
+                raise TaskLossError(f"task {task.name!r}: its output fails on the model's output: "
+                                    f"{type(e).__name__}: {text[0][:200] if text else ''}") from None
+            if not isinstance(pred, Tensor):
+                raise TaskLossError(f"task {task.name!r}: its output returns {type(pred).__name__}, not the "
+                                    "task's prediction tensor")
+            out[task.name] = pred
+        return out
+
+
+class _TaskLoss:
+    """``loss_fn`` of a multi-task workload: ``Σ weight · task.loss_fn(pred[task], labels)``, on a
+    prediction ``{task name: tensor}`` (the model's, or an aux head's); a task's failure names it."""
+
+    def __init__(self, tasks: tuple[Task, ...]) -> None:
+        self.tasks = tasks
+
+    def task_loss(self, task: Task, prediction: Any, target: Tensor) -> Tensor:
+        """One task's (unweighted) loss on its prediction."""
+        if not isinstance(prediction, Mapping) or task.name not in prediction:
+            got = sorted(prediction) if isinstance(prediction, Mapping) else type(prediction).__name__
+            raise TaskLossError(f"task {task.name!r}: no prediction for it (got {got}); a multi-task prediction is "
+                                "{task name: tensor}")
+        try:
+            return task.loss_fn(prediction[task.name], task.labels(target))
+        except TaskLossError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the task's loss failed: say which task
+            text = str(e).strip().splitlines()
+            raise TaskLossError(f"task {task.name!r}: {type(e).__name__}: {text[0][:200] if text else ''}") from e
+
+    def __call__(self, prediction: Any, target: Tensor) -> Tensor:
+        total: Any = None
+        for task in self.tasks:
+            loss = self.task_loss(task, prediction, target)
+            term = loss if task.weight == 1 else task.weight * loss
+            total = term if total is None else total + term
+        return total
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Workload:
     """A trainable proxy: everything a trial needs, nothing about how it is cut."""
@@ -57,8 +157,9 @@ class Workload:
     """The resolved arguments (recorded as provenance)."""
     build_model: Callable[[], nn.Module]
     """Returns a fresh model on the CPU in float32, identical on every call (seeded)."""
-    loss_fn: Callable[[Tensor, Tensor], Tensor]
-    """Mean-reduced loss ``loss_fn(output, target)``; also used for each cut's local loss."""
+    loss_fn: Callable[[Tensor, Tensor], Tensor] = None  # type: ignore[assignment]  # required unless tasks=
+    """Mean-reduced loss ``loss_fn(output, target)``; also used for each cut's local loss. A
+    multi-task workload (``tasks=``) leaves it out: it is then the weighted sum of the tasks' losses."""
     make_data: Callable[[torch.device], WorkloadData]
     """Builds the train pool and held-out batches on a device (deterministic)."""
     cut_candidates: tuple[str, ...]
@@ -96,6 +197,49 @@ class Workload:
     ``output``'s prediction) then serves the cuts' local losses and held-out NE
     (``EraseEngine``'s ``model_loss=``)."""
 
+    tasks: tuple[Task, ...] = ()
+    """A multi-task model's tasks (see :class:`Task`), in place of ``loss_fn`` and ``output``: the
+    prediction is then ``{task name: task.output(model_output)}``, the training loss and every cut's
+    local loss the weighted sum of the tasks' losses on it (each on its own label column), a cut's
+    default aux head one linear head per task, and NE is reported per task
+    (:meth:`normalized_entropies`), :meth:`normalized_entropy` being the main task's."""
+    main_task: str | None = None
+    """The task whose NE gap a study judges (:meth:`normalized_entropy`); None: the first task."""
+
+    def __post_init__(self) -> None:
+        tasks = self.tasks
+        if not tasks:
+            if self.main_task is not None:
+                raise ValueError(f"main_task={self.main_task!r} needs tasks=")
+            if self.loss_fn is None:
+                raise ValueError("Workload needs loss_fn= (or tasks=, one loss per task)")
+            return
+        if not isinstance(tasks, tuple) or not all(isinstance(t, Task) for t in tasks):
+            raise ValueError("tasks= must be a tuple of Task")
+        names = [t.name for t in tasks]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"tasks=: task names must be unique, {', '.join(map(repr, twice))} appears twice")
+        if self.main_task is not None and self.main_task not in names:
+            raise ValueError(f"main_task={self.main_task!r} is not a task ({', '.join(map(repr, names))})")
+        derived = isinstance(self.loss_fn, _TaskLoss) and self.loss_fn.tasks == tasks
+        if self.loss_fn is not None and not derived:
+            raise ValueError("tasks= replaces loss_fn=: each task has its own loss_fn; pass one or the other")
+        if self.output is not None and not (isinstance(self.output, _TaskOutputs) and self.output.tasks == tasks):
+            raise ValueError("tasks= replaces output=: each task picks its own prediction (Task.output)")
+        if self.model_loss is not None:
+            raise ValueError("tasks= and model_loss= do not go together: with tasks the training loss is the "
+                             "weighted sum of the tasks' losses")
+        object.__setattr__(self, "loss_fn", _TaskLoss(tasks))
+        object.__setattr__(self, "output", _TaskOutputs(tasks))
+
+    @property
+    def main(self) -> Task | None:
+        """The main task (None for a single-task workload)."""
+        if not self.tasks:
+            return None
+        return next(t for t in self.tasks if t.name == (self.main_task or self.tasks[0].name))
+
     def prediction(self, model_output: Any) -> Any:
         """What ``loss_fn`` takes from one model output: ``output(model_output)``, or itself."""
         return model_output if self.output is None else self.output(model_output)
@@ -114,7 +258,12 @@ class Workload:
         return self.make_data(device).batch(0)
 
     def normalized_entropy(self, model: nn.Module, data: WorkloadData) -> float:
-        """Held-out NE of ``model``: mean eval loss / prior cross-entropy."""
+        """Held-out NE of ``model``: mean eval loss / prior cross-entropy (a multi-task
+        workload's: its main task's, see :meth:`normalized_entropies`)."""
+        if self.tasks:
+            main = self.main
+            assert main is not None
+            return self.normalized_entropies(model, data)[main.name]
         was_training = model.training
         model.eval()
         total, count = 0.0, 0
@@ -124,6 +273,32 @@ class Workload:
                 count += len(target)
         model.train(was_training)
         return total / count / data.prior_entropy
+
+    def normalized_entropies(self, model: nn.Module, data: WorkloadData) -> dict[str, float]:
+        """Held-out NE of each task, by task name: the task's mean eval loss over the prior
+        cross-entropy of its own labels in the training pool (a single-task workload: its NE
+        under its name)."""
+        if not self.tasks:
+            return {self.name: self.normalized_entropy(model, data)}
+        loss = self.loss_fn
+        assert isinstance(loss, _TaskLoss)
+        was_training = model.training
+        model.eval()
+        totals = dict.fromkeys((t.name for t in self.tasks), 0.0)
+        count = 0
+        with torch.no_grad():
+            for inputs, target in data.eval:
+                pred = self.prediction(model(*inputs))
+                for task in self.tasks:
+                    totals[task.name] += float(loss.task_loss(task, pred, target)) * len(target)
+                count += len(target)
+        model.train(was_training)
+        return {t.name: totals[t.name] / count / self.task_prior(t, data) for t in self.tasks}
+
+    def task_prior(self, task: Task, data: WorkloadData) -> float:
+        """Cross-entropy (nats) of predicting ``task``'s training label prior (its own column)."""
+        labels = torch.cat([task.labels(target).flatten() for _, target in data.train])
+        return prior_entropy(labels)
 
 
 def prior_entropy(labels: Tensor, num_classes: int | None = None) -> float:

@@ -95,6 +95,8 @@ def test_a_selector_that_does_not_fit_is_one_line(select, says, which):
     says = says.replace("output=", f"{which}=", 1)
     if which == "model_loss":
         says = says.replace("the prediction must", "the loss must")
+    elif says.endswith("one tensor"):
+        says += " (or a dict of them, one per task)"
     kw = {"output": logits, "model_loss": own_loss, which: select}
     with pytest.raises(EraseTuneError) as e:
         EraseEngine(DLRMTrain(dlrm()), CUT, loss_fn=bce, optimizer=sgd, example=((b,), b.labels), **kw)

@@ -122,6 +122,8 @@ def metric_attrs(result: TrialResult) -> dict[str, float | str]:
         "gain_detach_only": result.gain_detach_only, "exact_diff": result.exact_diff,
         "ne_baseline": result.ne_baseline, "ne_candidate": result.ne_candidate, "ne_gap": result.ne_gap,
     }
+    for task, ne in (result.ne_tasks or {}).items():  # a multi-task workload: each task's gap (ne_gap: the main's)
+        out[f"ne_gap.{task}"] = ne["gap"]
     for name, v in result.variants.items():
         out[f"{name}_p90_qps"], out[f"{name}_median_qps"] = v.p90_qps, v.median_qps
     return {k: (v if isinstance(v, str) else float(v)) for k, v in out.items() if v is not None}

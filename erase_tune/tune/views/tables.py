@@ -21,6 +21,17 @@ def duration(seconds: float) -> str:
     return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
+def task_line(result: TrialResult) -> str:
+    """A multi-task trial's NE per task: ``NE per task (main click): click 0.8123 -> 0.8150 (+0.33%), ...``."""
+    def value(x: float | None) -> str:
+        return "-" if x is None else f"{x:.4f}"
+
+    parts = [f"{name} {value(ne['baseline'])} -> {value(ne['candidate'])} "
+             f"({'-' if ne['gap'] is None else format(ne['gap'], '+.2%')})" for name, ne in (result.ne_tasks or {}).items()]
+    main = result.provenance.get("main_task")
+    return f"NE per task{f' (main {main})' if main else ''}: " + ", ".join(parts)
+
+
 def trial_table(result: TrialResult) -> str:
     prov = result.provenance
     lines = [f"workload {result.workload} (batch {result.batch_size}) on {prov['device_name']}, torch {prov['torch']}",
@@ -39,6 +50,8 @@ def trial_table(result: TrialResult) -> str:
               "not trained for NE)" if result.exact else f"NE gap {result.ne_gap:+.2%}")
     lines.append(f"gain p90 {result.gain_p90:+.2%} (median {result.gain_median:+.2%}, per window {lo:+.1%}..{hi:+.1%});"
                  f" {ne_gap}")
+    if result.ne_tasks:
+        lines.append(task_line(result))
     if result.gain_detach_only is not None:
         lines.append(f"of which work removed (detach only): {result.gain_detach_only:+.2%}")
     if result.gain_vs_reference is not None:
