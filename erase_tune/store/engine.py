@@ -28,8 +28,12 @@ __all__ = ["SUPPORTED_BACKENDS", "STORAGE_ENV", "default_storage_url", "redact_u
 SUPPORTED_BACKENDS = ("sqlite", "postgresql")
 """The backends the upserts in :mod:`erase_tune.store.repo` are written (and tested) for."""
 
-SQLITE_BUSY_TIMEOUT_MS = 30_000
-"""How long a SQLite writer waits for another writer's lock before failing."""
+SQLITE_BUSY_TIMEOUT_MS = 1_500
+"""How long a SQLite statement waits for another connection's lock before failing. Short: a
+lock held longer (another process's open transaction, a stuck writer) becomes an error the
+storage's retry policy handles (:mod:`erase_tune.store.retry`), which says within two seconds
+what it waits for and waits as long as ``$ERASE_TUNE_STORAGE_RETRY_S`` says, not SQLite's own
+silent wait."""
 
 # Query parameters that drivers accept as credentials (libpq takes ?password=..., and
 # SQLAlchemy's own hide_password only masks the user:password@ part).
