@@ -118,6 +118,47 @@ class Options:
     window_steps: int = opt(30, "steps per window")
 
 
+def _plans(a: Options, tiny: str, cuda: bool) -> dict[str, ErasePlan]:
+    """The engine's variants by name: the empty plan, ``tiny`` and ``a.place`` placed, ``a.place``
+    detached (blocking, deferred and, on CUDA, with per-cut graphs) and the graphed modules."""
+    p = a.place
+    plans = {
+        "engine, empty plan": ErasePlan(),
+        f"{tiny} placed (negligible work)": ErasePlan(placements=(Placement(module=tiny, stream=1),), num_streams=1),
+        f"{p} placed (side stream)": ErasePlan(placements=(Placement(module=p, stream=1),), num_streams=1),
+        f"{p} detached, blocking": ErasePlan(cuts=(Cut(module=p),)),
+        f"{p} detached, deferred": ErasePlan(cuts=(Cut(module=p),), dispatch="deferred"),
+    }
+    if cuda:
+        plans[f"{p} detached, blocking, per-cut graph"] = ErasePlan(cuts=(Cut(module=p, graph=True),))
+        plans[f"{p} detached, threaded, per-cut graph"] = ErasePlan(cuts=(Cut(module=p, graph=True),), dispatch="threaded")
+    plans[f"{a.graph} graphed (engine)"] = ErasePlan(graphs=(Graphed(module=a.graph),))
+    plans[f"{a.graph} + {a.also_graph} graphed (engine)"] = ErasePlan(
+        graphs=(Graphed(module=a.graph), Graphed(module=a.also_graph)))
+    return plans
+
+
+def _table(rows: list[dict], batch: int, cpu, a: Options) -> list[str]:
+    """The rows as table lines (with the host CPU columns and their legend when measured)."""
+    table = [f"{'variant, batch ' + str(batch):<60} {'ms/step':>8} {'vs plain loop':>22} {'host CPU µs':>12} "
+             f"{'CPU tax µs [lo, hi]':>24} {'main thread':>12} {'beyond head':>12}"]
+    for r in rows:
+        m, lo, hi = r["vs_plain"]
+        line = f"{r['variant']:<60} {r['ms_per_step']:>8.3f} {m:>8.3f}x [{lo:.3f}-{hi:.3f}]"
+        if cpu is not None:
+            tm, tl, th = r["cpu_tax_us"]
+            over = r["cpu_tax_over_head_us"]
+            line += (f" {r['cpu_us_per_step']:>12,.0f} {f'{tm:+,.0f} [{tl:+,.0f}, {th:+,.0f}]':>24}"
+                     f" {r['main_thread_cpu_tax_us'][0]:>+12,.0f} {f'{over[0]:+,.0f}' if over else '-':>12}")
+        table.append(line)
+    if cpu is not None:
+        table.append(f"host CPU: process CPU time per step, median of {a.cpu_windows} interleaved rounds of "
+                     f"{a.cpu_window_steps} step(s); {cpu.how}; 'main thread': the training thread's own share of "
+                     "the tax; 'beyond head': over the plain loop doing the cut's aux-head work by hand (its backward "
+                     "at once for blocking rows, with the main loss's for deferred)")
+    return table
+
+
 @case("host_table", Options, cuda="optional", recorded_with="scripts/host_table.py",
       description="the plain loop against the engine's variants: QPS ratios and host CPU tax per step",
       figures=("00.1 Where a host-bound step's time goes, re-measured on the product",
@@ -132,19 +173,7 @@ def host_table(a: Options, ctx: Context) -> dict[str, Any]:
     cuda = device.type == "cuda"
     p = a.place
     tiny = _last_leaf(init) if a.negligible == "auto" else a.negligible
-    plans = {
-        "engine, empty plan": ErasePlan(),
-        f"{tiny} placed (negligible work)": ErasePlan(placements=(Placement(module=tiny, stream=1),), num_streams=1),
-        f"{p} placed (side stream)": ErasePlan(placements=(Placement(module=p, stream=1),), num_streams=1),
-        f"{p} detached, blocking": ErasePlan(cuts=(Cut(module=p),)),
-        f"{p} detached, deferred": ErasePlan(cuts=(Cut(module=p),), dispatch="deferred"),
-    }
-    if cuda:
-        plans[f"{p} detached, blocking, per-cut graph"] = ErasePlan(cuts=(Cut(module=p, graph=True),))
-        plans[f"{p} detached, threaded, per-cut graph"] = ErasePlan(cuts=(Cut(module=p, graph=True),), dispatch="threaded")
-    plans[f"{a.graph} graphed (engine)"] = ErasePlan(graphs=(Graphed(module=a.graph),))
-    plans[f"{a.graph} + {a.also_graph} graphed (engine)"] = ErasePlan(
-        graphs=(Graphed(module=a.graph), Graphed(module=a.also_graph)))
+    plans = _plans(a, tiny, cuda)
     runners = {"plain loop": _Plain(workload, init, data, device),
                "plain loop, a second copy (A/A: the resolution)": _Plain(workload, init, data, device),
                "plain loop, pass-through TorchFunctionMode": _Plain(workload, init, data, device, mode=True)}
@@ -180,22 +209,7 @@ def host_table(a: Options, ctx: Context) -> dict[str, Any]:
             hand = by_hand if "deferred" in name else by_hand_blocking
             row["cpu_tax_over_head_us"] = list(host_tax(cpu, name, hand)) if "detached" in name else None
         rows.append(row)
-    table = [f"{'variant, batch ' + str(batch):<60} {'ms/step':>8} {'vs plain loop':>22} {'host CPU µs':>12} "
-             f"{'CPU tax µs [lo, hi]':>24} {'main thread':>12} {'beyond head':>12}"]
-    for r in rows:
-        m, lo, hi = r["vs_plain"]
-        line = f"{r['variant']:<60} {r['ms_per_step']:>8.3f} {m:>8.3f}x [{lo:.3f}-{hi:.3f}]"
-        if cpu is not None:
-            tm, tl, th = r["cpu_tax_us"]
-            over = r["cpu_tax_over_head_us"]
-            line += (f" {r['cpu_us_per_step']:>12,.0f} {f'{tm:+,.0f} [{tl:+,.0f}, {th:+,.0f}]':>24}"
-                     f" {r['main_thread_cpu_tax_us'][0]:>+12,.0f} {f'{over[0]:+,.0f}' if over else '-':>12}")
-        table.append(line)
-    if cpu is not None:
-        table.append(f"host CPU: process CPU time per step, median of {a.cpu_windows} interleaved rounds of "
-                     f"{a.cpu_window_steps} step(s); {cpu.how}; 'main thread': the training thread's own share of "
-                     "the tax; 'beyond head': over the plain loop doing the cut's aux-head work by hand (its backward "
-                     "at once for blocking rows, with the main loss's for deferred)")
+    table = _table(rows, batch, cpu, a)
     return {"rows": rows, "samples": t.to_dict(), "host_cpu": cpu.to_dict() if cpu else None,
             "workload": workload.name, "workload_args": jsonable_args(workload.args), "negligible": tiny,
             "table": "\n".join(table)}
