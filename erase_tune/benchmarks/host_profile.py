@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from erase_tune.benchmarks.case import Context, case, opt
-from erase_tune.benchmarks.host_table import _Plain  # the plain loop, with a cut's work by hand
+from erase_tune.benchmarks.host_table import _Plain, _Start  # the plain loop, with a cut's work by hand
 from erase_tune.measure.hostcpu import blocking_sync, host_cpu_interleaved, host_tax
 from erase_tune.measure.timing import ORDERS
 from erase_tune.measure.trial import GRAPH_WARMUP, Variant, build_engine
@@ -68,7 +68,7 @@ def _variants(a: Options, wl, init, data, device, module: str) -> tuple[dict[str
         plan = ErasePlan(cuts=(Cut(module=a.cut),))
         cut = Variant(plan=plan, engine=build_engine(wl, plan, init, data, device), data=data)
         head = (a.cut, cut.engine.heads[a.cut], plan.cuts[0].aux_weight)
-        again = lambda: _Plain(wl, init, data, device, head=head, blocking=True)  # noqa: E731
+        again = lambda: _Plain(_Start(wl, init, data, device), head=head, blocking=True)  # noqa: E731
         variants = {"by hand": again(), f"{a.cut} detached, blocking": cut}
     return variants, again
 

@@ -43,14 +43,25 @@ class _PassThrough(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Start:
+    """What every runner starts from alike: the workload, its initial model, its data and the device."""
+
+    workload: Any
+    init: torch.nn.Module
+    data: Any
+    device: torch.device
+
+
 class _Plain:
     """The user's loop: zero_grad, forward, loss, backward, step (optionally under a mode, or
     with one module replaced by its hand-made graphed callable)."""
 
-    def __init__(self, workload, init, data, device, *, mode: bool = False, graph: str | None = None,
+    def __init__(self, start: _Start, *, mode: bool = False, graph: str | None = None,
                  head: tuple[str, torch.nn.Module, float] | None = None, blocking: bool = False,
                  side: str | None = None) -> None:
-        self.model = copy.deepcopy(init).to(device)
+        workload, data, device = start.workload, start.data, start.device
+        self.model = copy.deepcopy(start.init).to(device)
         self.head = None
         self.blocking = blocking
         params = list(self.model.parameters())
@@ -174,20 +185,21 @@ def host_table(a: Options, ctx: Context) -> dict[str, Any]:
     p = a.place
     tiny = _last_leaf(init) if a.negligible == "auto" else a.negligible
     plans = _plans(a, tiny, cuda)
-    runners = {"plain loop": _Plain(workload, init, data, device),
-               "plain loop, a second copy (A/A: the resolution)": _Plain(workload, init, data, device),
-               "plain loop, pass-through TorchFunctionMode": _Plain(workload, init, data, device, mode=True)}
+    start = _Start(workload, init, data, device)
+    runners = {"plain loop": _Plain(start),
+               "plain loop, a second copy (A/A: the resolution)": _Plain(start),
+               "plain loop, pass-through TorchFunctionMode": _Plain(start, mode=True)}
     if cuda:
-        runners[f"plain loop, {a.graph} graphed by hand"] = _Plain(workload, init, data, device, graph=a.graph)
-        runners[f"plain loop, {tiny} on a side stream by hand"] = _Plain(workload, init, data, device, side=tiny)
+        runners[f"plain loop, {a.graph} graphed by hand"] = _Plain(start, graph=a.graph)
+        runners[f"plain loop, {tiny} on a side stream by hand"] = _Plain(start, side=tiny)
     for name, plan in plans.items():
         runners[name] = Variant(plan=plan, engine=build_engine(workload, plan, init, data, device), data=data)
     deferred = runners[f"{p} detached, deferred"].engine
     by_hand = f"plain loop + {p}'s aux head by hand"
     head = (p, deferred.heads[p], deferred.plan.cuts[0].aux_weight)
-    runners[by_hand] = _Plain(workload, init, data, device, head=head)
+    runners[by_hand] = _Plain(start, head=head)
     by_hand_blocking = f"plain loop + {p}'s aux head by hand, its backward at once"
-    runners[by_hand_blocking] = _Plain(workload, init, data, device, head=head, blocking=True)
+    runners[by_hand_blocking] = _Plain(start, head=head, blocking=True)
     t = time_interleaved(runners, device=device, warmup_steps=GRAPH_WARMUP + 5, windows=a.windows,
                          window_steps=a.window_steps)
     cpu = None
