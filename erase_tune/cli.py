@@ -254,13 +254,13 @@ def cmd_status(ns: argparse.Namespace) -> int:
 
 
 def cmd_export(ns: argparse.Namespace) -> int:
-    from erase_tune.tune.views.export import export_plan
+    from erase_tune.tune.views.export import ConfirmSettings, export_plan
     from erase_tune.tune.run.remote import confirming_executor
 
     factory = confirming_executor(ns.ray_address, ns.working_dir, ns.py_module, on_ray_started=_sigterm_kept())
-    done = export_plan(ns.storage, ns.study, ns.output, max_ne_gap=ns.max_ne_gap, pick=ns.pick,
-                       windows=ns.repeats, force=ns.force, executor_factory=factory,
-                       quality_scale=ns.quality_scale, quality_seeds=ns.quality_seeds)
+    confirm = ConfirmSettings(windows=ns.repeats, quality_scale=ns.quality_scale, quality_seeds=ns.quality_seeds)
+    done = export_plan(ns.storage, ns.study, ns.output, max_ne_gap=ns.max_ne_gap, pick=ns.pick, force=ns.force,
+                       executor_factory=factory, confirm=confirm)
     p, c = done.point, done.confirmation
     if ns.json:
         _emit_json({"output": ns.output, "trial": p.number, "search_qps_gain": p.qps_gain, "ne_gap": p.ne_gap,

@@ -150,6 +150,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _join_group(rank: int, ns: Options, world: int) -> tuple[torch.device, Any]:
+    """This rank's device (its GPU, or the CPU with its share of the threads) and the process
+    group of all ``world`` ranks (nccl on CUDA, gloo on the CPU), joined."""
+    import torch.distributed as dist
+
+    if ns.device == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if ns.device == "cuda" else "gloo", init_method="env://", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=ns.collective_timeout))
+    return device, dist.group.WORLD
+
+
+def _print_row(key: str, label: str, r: dict[str, Any]) -> None:
+    print(f"{key} {label}: vs eager {_x(r['qps_ratio_vs_eager'])}, vs graph {_x(r['qps_ratio_vs_graph'])}, "
+          f"NE gap {r['ne_gap']:+.2%}, twin {_x(r['detach_only_ratio_vs_eager'])} ({r['duration_s']:.1f}s)",
+          flush=True)
+
+
 def rank_main(rank: int, ns: Options, world: int, args: dict[str, Any], argv: list[str], out: str) -> None:
     import torch.distributed as dist
 
@@ -158,15 +180,7 @@ def rank_main(rank: int, ns: Options, world: int, args: dict[str, Any], argv: li
     from erase_tune.workloads import get_workload
 
     cuda = ns.device == "cuda"
-    if cuda:
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-        device = torch.device("cpu")
-    dist.init_process_group("nccl" if cuda else "gloo", init_method="env://", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=ns.collective_timeout))
-    group = dist.group.WORLD
+    device, group = _join_group(rank, ns, world)
     budget = Budget(warmup_steps=ns.warmup_steps, windows=ns.windows, window_steps=ns.window_steps,
                     quality_steps=ns.quality_steps, seed=ns.seed)
     workload = get_workload("ctr", args)
@@ -207,10 +221,7 @@ def rank_main(rank: int, ns: Options, world: int, args: dict[str, Any], argv: li
         baseline_ne = res.ne_baseline
         rows.append(_row(key, label, res))
         if rank == 0:
-            r = rows[-1]
-            print(f"{key} {label}: vs eager {_x(r['qps_ratio_vs_eager'])}, vs graph {_x(r['qps_ratio_vs_graph'])}, "
-                  f"NE gap {r['ne_gap']:+.2%}, twin {_x(r['detach_only_ratio_vs_eager'])} ({r['duration_s']:.1f}s)",
-                  flush=True)
+            _print_row(key, label, rows[-1])
         save(False)
     save(True)
     dist.barrier(group)

@@ -14,6 +14,7 @@ import dataclasses
 import inspect
 import sys
 import textwrap
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,6 +27,62 @@ from erase_tune.runtime import pieces as pc
 @dataclasses.dataclass
 class Options:
     pass
+
+
+def _drift_without_class_swap(drift: Callable[[str], None]) -> None:
+    """Drift with LazyJoin.add patched never to swap a joined tensor's class (aliases only)."""
+    Tensor = torch.Tensor  # noqa: F841 - the patched add's source names it
+    add_src = textwrap.dedent(inspect.getsource(joinmod.LazyJoin.add)).replace("if type(t) is Tensor:", "if False:")
+    ns = {}
+    exec(add_src, {**joinmod.__dict__}, ns)
+    orig_add = joinmod.LazyJoin.add
+    joinmod.LazyJoin.add = ns["add"]
+    try:
+        drift("D: aliases, no class swap")
+    finally:
+        joinmod.LazyJoin.add = orig_add
+
+
+def _drift_with_record_stream(drift: Callable[[str], None]) -> None:
+    """Drift with LazyJoin.add recording its inputs on the join's stream first."""
+    orig_add = joinmod.LazyJoin.add
+
+    def add_rs(self, outputs, inputs, done, stream, written=()):
+        inputs = list(inputs)
+        for t in inputs:
+            if stream is not None:
+                t.record_stream(stream)
+        return orig_add(self, outputs, inputs, done, stream, written)
+
+    joinmod.LazyJoin.add = add_rs
+    try:
+        drift("E: record_stream of inputs")
+    finally:
+        joinmod.LazyJoin.add = orig_add
+
+
+def _drift_with_synced_replays(drift: Callable[[str], None]) -> None:
+    """Drift with a device synchronize after, then before, every replayed cut."""
+    orig_call = pc.CutRunner.__call__
+
+    def synced_replay(self, *a, **k):
+        out = orig_call(self, *a, **k)
+        if self.graph is not None:
+            torch.cuda.synchronize()
+        return out
+
+    def synced_before(self, *a, **k):
+        if self.graph is not None:
+            torch.cuda.synchronize()
+        return orig_call(self, *a, **k)
+
+    try:
+        pc.CutRunner.__call__ = synced_replay
+        drift("F: sync after replayed cuts only")
+        pc.CutRunner.__call__ = synced_before
+        drift("G: sync before replayed cuts only")
+    finally:
+        pc.CutRunner.__call__ = orig_call
 
 
 @case("graph_drift", Options, cuda="required", recorded_with="scripts/per_cut_graph_drift.py",
@@ -47,50 +104,9 @@ def graph_drift(_: Options, ctx: Context) -> dict[str, Any]:
         rows[tag] = out
         print(f"{tag:<40}", [f"{d:.1e}" for d in out], flush=True)
 
-    Tensor = torch.Tensor  # noqa: F841 - the patched add's source names it
-    add_src = textwrap.dedent(inspect.getsource(joinmod.LazyJoin.add)).replace("if type(t) is Tensor:", "if False:")
-    ns = {}
-    exec(add_src, {**joinmod.__dict__}, ns)
-    orig_add = joinmod.LazyJoin.add
-    joinmod.LazyJoin.add = ns["add"]
-    try:
-        drift("D: aliases, no class swap")
-    finally:
-        joinmod.LazyJoin.add = orig_add
-
-    def add_rs(self, outputs, inputs, done, stream, written=()):
-        inputs = list(inputs)
-        for t in inputs:
-            if stream is not None:
-                t.record_stream(stream)
-        return orig_add(self, outputs, inputs, done, stream, written)
-
-    joinmod.LazyJoin.add = add_rs
-    try:
-        drift("E: record_stream of inputs")
-    finally:
-        joinmod.LazyJoin.add = orig_add
-
-    orig_call = pc.CutRunner.__call__
-
-    def synced_replay(self, *a, **k):
-        out = orig_call(self, *a, **k)
-        if self.graph is not None:
-            torch.cuda.synchronize()
-        return out
-
-    def synced_before(self, *a, **k):
-        if self.graph is not None:
-            torch.cuda.synchronize()
-        return orig_call(self, *a, **k)
-
-    try:
-        pc.CutRunner.__call__ = synced_replay
-        drift("F: sync after replayed cuts only")
-        pc.CutRunner.__call__ = synced_before
-        drift("G: sync before replayed cuts only")
-    finally:
-        pc.CutRunner.__call__ = orig_call
+    _drift_without_class_swap(drift)
+    _drift_with_record_stream(drift)
+    _drift_with_synced_replays(drift)
     drift("as is, again")
     return {"relative_drift": rows,
             "table": "\n".join(f"{tag:<40} " + " ".join(f"{d:.1e}" for d in ds) for tag, ds in rows.items())}

@@ -26,13 +26,14 @@ import cProfile
 import dataclasses
 import pstats
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from erase_tune.benchmarks.case import Context, case, opt
-from erase_tune.benchmarks.host_table import _Plain  # the plain loop, with a cut's work by hand
+from erase_tune.benchmarks.host_table import _Plain, _Start  # the plain loop, with a cut's work by hand
 from erase_tune.measure.hostcpu import blocking_sync, host_cpu_interleaved, host_tax
 from erase_tune.measure.timing import ORDERS
 from erase_tune.measure.trial import GRAPH_WARMUP, Variant, build_engine
@@ -53,6 +54,49 @@ class Options:
     rounds: int = opt(300, "rounds of the attribution pass (0: none)")
 
 
+def _variants(a: Options, wl, init, data, device, module: str) -> tuple[dict[str, Any], Callable[[], Any]]:
+    """The two variants profiled, base first (the empty plan and ``module`` placed, or the plain
+    loop with the cut's work by hand and the engine's blocking cut), and a maker of a second copy
+    of the base (the A/A pair of the attribution)."""
+    if a.cut is None:
+        plans = {"empty plan": ErasePlan(),
+                 f"{module} placed": ErasePlan(placements=(Placement(module=module, stream=1),), num_streams=1)}
+        variants = {k: Variant(plan=p, engine=build_engine(wl, p, init, data, device), data=data) for k, p in plans.items()}
+        again = lambda: Variant(plan=plans["empty plan"], engine=build_engine(wl, plans["empty plan"], init, data, device),  # noqa: E731
+                                data=data)
+    else:
+        plan = ErasePlan(cuts=(Cut(module=a.cut),))
+        cut = Variant(plan=plan, engine=build_engine(wl, plan, init, data, device), data=data)
+        head = (a.cut, cut.engine.heads[a.cut], plan.cuts[0].aux_weight)
+        again = lambda: _Plain(_Start(wl, init, data, device), head=head, blocking=True)  # noqa: E731
+        variants = {"by hand": again(), f"{a.cut} detached, blocking": cut}
+    return variants, again
+
+
+def _function_table(stats: dict[str, dict], variants: dict[str, Any], steps: int, functions: list[dict]) -> list[str]:
+    """The functions whose own time per step differs most between the two variants (what the
+    second adds most, then what it saves most), appended to ``functions`` and as table lines,
+    then each variant's profiled totals."""
+    (ea, eb) = stats.values()
+    keys = set(ea) | set(eb)
+
+    def per_step(st, k):
+        v = st.get(k)
+        return (v[2] / steps * 1e6, v[1] / steps) if v else (0.0, 0.0)
+    rows = sorted(keys, key=lambda k: -(per_step(eb, k)[0] - per_step(ea, k)[0]))
+    base, other = (f"µs/step {n.split(' ')[-1]}"[:15] for n in variants)
+    table = [f"{'function':<70} {base:>14} {other:>15} {'calls/step':>16}"]
+    for k in rows[:25] + rows[-8:]:  # what the variant adds most, then what it saves most
+        (ta, na), (tb, nb) = per_step(ea, k), per_step(eb, k)
+        fn = (Path(k[0]).name + ':' + str(k[1]) + ' ' + k[2])[:70]
+        functions.append({"function": fn, "us_per_step": [ta, tb], "calls_per_step": [na, nb]})
+        table.append(f"{fn:<70} {ta:>14.1f} {tb:>15.1f} {f'{na:.0f} -> {nb:.0f}':>16}")
+    for name, st in stats.items():
+        table.append(f"{name}: {sum(v[2] for v in st.values()) / steps * 1e6:.0f} µs/step profiled, "
+                     f"{sum(v[1] for v in st.values()) / steps:.0f} calls/step")
+    return table
+
+
 @case("host_profile", Options, cuda="optional", recorded_with="scripts/host_profile.py",
       description="where one placement's (or one blocking cut's) host time goes: cProfile, call counts, an A/A attribution",
       figures=("00.5 After the engine split (where a placement's host time goes)",
@@ -66,18 +110,7 @@ def host_profile(a: Options, ctx: Context) -> dict[str, Any]:
     torch.manual_seed(0)
     data, init = wl.make_data(device), wl.build_model()
     module = a.module if a.module != "auto" else [n for n, m in init.named_modules() if n and not list(m.children())][-1]
-    if a.cut is None:
-        plans = {"empty plan": ErasePlan(),
-                 f"{module} placed": ErasePlan(placements=(Placement(module=module, stream=1),), num_streams=1)}
-        variants = {k: Variant(plan=p, engine=build_engine(wl, p, init, data, device), data=data) for k, p in plans.items()}
-        again = lambda: Variant(plan=plans["empty plan"], engine=build_engine(wl, plans["empty plan"], init, data, device),  # noqa: E731
-                                data=data)
-    else:
-        plan = ErasePlan(cuts=(Cut(module=a.cut),))
-        cut = Variant(plan=plan, engine=build_engine(wl, plan, init, data, device), data=data)
-        head = (a.cut, cut.engine.heads[a.cut], plan.cuts[0].aux_weight)
-        again = lambda: _Plain(wl, init, data, device, head=head, blocking=True)  # noqa: E731
-        variants = {"by hand": again(), f"{a.cut} detached, blocking": cut}
+    variants, again = _variants(a, wl, init, data, device, module)
     stats = {}
     with blocking_sync(device) as (_, how):
         for name, v in variants.items():
@@ -105,23 +138,7 @@ def host_profile(a: Options, ctx: Context) -> dict[str, Any]:
     result["calls"] = calls(variants, device, steps=10)
     if a.rounds:
         result["attribution"] = attribute(variants, device, a.rounds, again(), a.order)
-    (ea, eb) = stats.values()
-    keys = set(ea) | set(eb)
-
-    def per_step(st, k):
-        v = st.get(k)
-        return (v[2] / a.steps * 1e6, v[1] / a.steps) if v else (0.0, 0.0)
-    rows = sorted(keys, key=lambda k: -(per_step(eb, k)[0] - per_step(ea, k)[0]))
-    base, other = (f"µs/step {n.split(' ')[-1]}"[:15] for n in variants)
-    table = [f"{'function':<70} {base:>14} {other:>15} {'calls/step':>16}"]
-    for k in rows[:25] + rows[-8:]:  # what the variant adds most, then what it saves most
-        (ta, na), (tb, nb) = per_step(ea, k), per_step(eb, k)
-        fn = (Path(k[0]).name + ':' + str(k[1]) + ' ' + k[2])[:70]
-        result["functions"].append({"function": fn, "us_per_step": [ta, tb], "calls_per_step": [na, nb]})
-        table.append(f"{fn:<70} {ta:>14.1f} {tb:>15.1f} {f'{na:.0f} -> {nb:.0f}':>16}")
-    for name, st in stats.items():
-        table.append(f"{name}: {sum(v[2] for v in st.values()) / a.steps * 1e6:.0f} µs/step profiled, "
-                     f"{sum(v[1] for v in st.values()) / a.steps:.0f} calls/step")
+    table = _function_table(stats, variants, a.steps, result["functions"])
     result["table"] = "\n".join(table)
     return result
 

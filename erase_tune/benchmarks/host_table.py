@@ -43,14 +43,25 @@ class _PassThrough(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Start:
+    """What every runner starts from alike: the workload, its initial model, its data and the device."""
+
+    workload: Any
+    init: torch.nn.Module
+    data: Any
+    device: torch.device
+
+
 class _Plain:
     """The user's loop: zero_grad, forward, loss, backward, step (optionally under a mode, or
     with one module replaced by its hand-made graphed callable)."""
 
-    def __init__(self, workload, init, data, device, *, mode: bool = False, graph: str | None = None,
+    def __init__(self, start: _Start, *, mode: bool = False, graph: str | None = None,
                  head: tuple[str, torch.nn.Module, float] | None = None, blocking: bool = False,
                  side: str | None = None) -> None:
-        self.model = copy.deepcopy(init).to(device)
+        workload, data, device = start.workload, start.data, start.device
+        self.model = copy.deepcopy(start.init).to(device)
         self.head = None
         self.blocking = blocking
         params = list(self.model.parameters())
@@ -118,6 +129,47 @@ class Options:
     window_steps: int = opt(30, "steps per window")
 
 
+def _plans(a: Options, tiny: str, cuda: bool) -> dict[str, ErasePlan]:
+    """The engine's variants by name: the empty plan, ``tiny`` and ``a.place`` placed, ``a.place``
+    detached (blocking, deferred and, on CUDA, with per-cut graphs) and the graphed modules."""
+    p = a.place
+    plans = {
+        "engine, empty plan": ErasePlan(),
+        f"{tiny} placed (negligible work)": ErasePlan(placements=(Placement(module=tiny, stream=1),), num_streams=1),
+        f"{p} placed (side stream)": ErasePlan(placements=(Placement(module=p, stream=1),), num_streams=1),
+        f"{p} detached, blocking": ErasePlan(cuts=(Cut(module=p),)),
+        f"{p} detached, deferred": ErasePlan(cuts=(Cut(module=p),), dispatch="deferred"),
+    }
+    if cuda:
+        plans[f"{p} detached, blocking, per-cut graph"] = ErasePlan(cuts=(Cut(module=p, graph=True),))
+        plans[f"{p} detached, threaded, per-cut graph"] = ErasePlan(cuts=(Cut(module=p, graph=True),), dispatch="threaded")
+    plans[f"{a.graph} graphed (engine)"] = ErasePlan(graphs=(Graphed(module=a.graph),))
+    plans[f"{a.graph} + {a.also_graph} graphed (engine)"] = ErasePlan(
+        graphs=(Graphed(module=a.graph), Graphed(module=a.also_graph)))
+    return plans
+
+
+def _table(rows: list[dict], batch: int, cpu, a: Options) -> list[str]:
+    """The rows as table lines (with the host CPU columns and their legend when measured)."""
+    table = [f"{'variant, batch ' + str(batch):<60} {'ms/step':>8} {'vs plain loop':>22} {'host CPU µs':>12} "
+             f"{'CPU tax µs [lo, hi]':>24} {'main thread':>12} {'beyond head':>12}"]
+    for r in rows:
+        m, lo, hi = r["vs_plain"]
+        line = f"{r['variant']:<60} {r['ms_per_step']:>8.3f} {m:>8.3f}x [{lo:.3f}-{hi:.3f}]"
+        if cpu is not None:
+            tm, tl, th = r["cpu_tax_us"]
+            over = r["cpu_tax_over_head_us"]
+            line += (f" {r['cpu_us_per_step']:>12,.0f} {f'{tm:+,.0f} [{tl:+,.0f}, {th:+,.0f}]':>24}"
+                     f" {r['main_thread_cpu_tax_us'][0]:>+12,.0f} {f'{over[0]:+,.0f}' if over else '-':>12}")
+        table.append(line)
+    if cpu is not None:
+        table.append(f"host CPU: process CPU time per step, median of {a.cpu_windows} interleaved rounds of "
+                     f"{a.cpu_window_steps} step(s); {cpu.how}; 'main thread': the training thread's own share of "
+                     "the tax; 'beyond head': over the plain loop doing the cut's aux-head work by hand (its backward "
+                     "at once for blocking rows, with the main loss's for deferred)")
+    return table
+
+
 @case("host_table", Options, cuda="optional", recorded_with="scripts/host_table.py",
       description="the plain loop against the engine's variants: QPS ratios and host CPU tax per step",
       figures=("00.1 Where a host-bound step's time goes, re-measured on the product",
@@ -132,33 +184,22 @@ def host_table(a: Options, ctx: Context) -> dict[str, Any]:
     cuda = device.type == "cuda"
     p = a.place
     tiny = _last_leaf(init) if a.negligible == "auto" else a.negligible
-    plans = {
-        "engine, empty plan": ErasePlan(),
-        f"{tiny} placed (negligible work)": ErasePlan(placements=(Placement(module=tiny, stream=1),), num_streams=1),
-        f"{p} placed (side stream)": ErasePlan(placements=(Placement(module=p, stream=1),), num_streams=1),
-        f"{p} detached, blocking": ErasePlan(cuts=(Cut(module=p),)),
-        f"{p} detached, deferred": ErasePlan(cuts=(Cut(module=p),), dispatch="deferred"),
-    }
+    plans = _plans(a, tiny, cuda)
+    start = _Start(workload, init, data, device)
+    runners = {"plain loop": _Plain(start),
+               "plain loop, a second copy (A/A: the resolution)": _Plain(start),
+               "plain loop, pass-through TorchFunctionMode": _Plain(start, mode=True)}
     if cuda:
-        plans[f"{p} detached, blocking, per-cut graph"] = ErasePlan(cuts=(Cut(module=p, graph=True),))
-        plans[f"{p} detached, threaded, per-cut graph"] = ErasePlan(cuts=(Cut(module=p, graph=True),), dispatch="threaded")
-    plans[f"{a.graph} graphed (engine)"] = ErasePlan(graphs=(Graphed(module=a.graph),))
-    plans[f"{a.graph} + {a.also_graph} graphed (engine)"] = ErasePlan(
-        graphs=(Graphed(module=a.graph), Graphed(module=a.also_graph)))
-    runners = {"plain loop": _Plain(workload, init, data, device),
-               "plain loop, a second copy (A/A: the resolution)": _Plain(workload, init, data, device),
-               "plain loop, pass-through TorchFunctionMode": _Plain(workload, init, data, device, mode=True)}
-    if cuda:
-        runners[f"plain loop, {a.graph} graphed by hand"] = _Plain(workload, init, data, device, graph=a.graph)
-        runners[f"plain loop, {tiny} on a side stream by hand"] = _Plain(workload, init, data, device, side=tiny)
+        runners[f"plain loop, {a.graph} graphed by hand"] = _Plain(start, graph=a.graph)
+        runners[f"plain loop, {tiny} on a side stream by hand"] = _Plain(start, side=tiny)
     for name, plan in plans.items():
         runners[name] = Variant(plan=plan, engine=build_engine(workload, plan, init, data, device), data=data)
     deferred = runners[f"{p} detached, deferred"].engine
     by_hand = f"plain loop + {p}'s aux head by hand"
     head = (p, deferred.heads[p], deferred.plan.cuts[0].aux_weight)
-    runners[by_hand] = _Plain(workload, init, data, device, head=head)
+    runners[by_hand] = _Plain(start, head=head)
     by_hand_blocking = f"plain loop + {p}'s aux head by hand, its backward at once"
-    runners[by_hand_blocking] = _Plain(workload, init, data, device, head=head, blocking=True)
+    runners[by_hand_blocking] = _Plain(start, head=head, blocking=True)
     t = time_interleaved(runners, device=device, warmup_steps=GRAPH_WARMUP + 5, windows=a.windows,
                          window_steps=a.window_steps)
     cpu = None
@@ -180,22 +221,7 @@ def host_table(a: Options, ctx: Context) -> dict[str, Any]:
             hand = by_hand if "deferred" in name else by_hand_blocking
             row["cpu_tax_over_head_us"] = list(host_tax(cpu, name, hand)) if "detached" in name else None
         rows.append(row)
-    table = [f"{'variant, batch ' + str(batch):<60} {'ms/step':>8} {'vs plain loop':>22} {'host CPU µs':>12} "
-             f"{'CPU tax µs [lo, hi]':>24} {'main thread':>12} {'beyond head':>12}"]
-    for r in rows:
-        m, lo, hi = r["vs_plain"]
-        line = f"{r['variant']:<60} {r['ms_per_step']:>8.3f} {m:>8.3f}x [{lo:.3f}-{hi:.3f}]"
-        if cpu is not None:
-            tm, tl, th = r["cpu_tax_us"]
-            over = r["cpu_tax_over_head_us"]
-            line += (f" {r['cpu_us_per_step']:>12,.0f} {f'{tm:+,.0f} [{tl:+,.0f}, {th:+,.0f}]':>24}"
-                     f" {r['main_thread_cpu_tax_us'][0]:>+12,.0f} {f'{over[0]:+,.0f}' if over else '-':>12}")
-        table.append(line)
-    if cpu is not None:
-        table.append(f"host CPU: process CPU time per step, median of {a.cpu_windows} interleaved rounds of "
-                     f"{a.cpu_window_steps} step(s); {cpu.how}; 'main thread': the training thread's own share of "
-                     "the tax; 'beyond head': over the plain loop doing the cut's aux-head work by hand (its backward "
-                     "at once for blocking rows, with the main loss's for deferred)")
+    table = _table(rows, batch, cpu, a)
     return {"rows": rows, "samples": t.to_dict(), "host_cpu": cpu.to_dict() if cpu else None,
             "workload": workload.name, "workload_args": jsonable_args(workload.args), "negligible": tiny,
             "table": "\n".join(table)}

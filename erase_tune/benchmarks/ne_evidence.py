@@ -97,6 +97,29 @@ def noise_floors(ns: Options, record: dict[str, Any], ctx: Context, started: flo
         ctx.save(record)
 
 
+def _fit_in_time(short_s: float, left: float, scale: int, seeds: int) -> tuple[int, int]:
+    """The confirmation's scale and seeds, fewer seeds first, then a smaller scale (neither below
+    2), until about ``short_s x scale x seeds`` fits in ``left`` seconds (or neither can shrink)."""
+    while short_s * scale * seeds > left and (seeds > 2 or scale > 2):
+        if seeds > 2:
+            seeds -= 1
+        else:
+            scale -= 1
+    return scale, seeds
+
+
+def _misjudged(rows: dict[str, dict[str, Any]], max_ne_gap: float, band: float) -> list[dict[str, Any]]:
+    """The plans whose search gap and confirmed gap disagree on feasibility against the budget."""
+    misjudged = []
+    for n, r in rows.items():
+        said = feasible(r["search_ne_gap"], max_ne_gap, band)
+        truth = feasible(r["confirmed_ne_gap"], max_ne_gap, band)
+        if said != truth:
+            misjudged.append({"plan": n, "search_feasible": said, "confirmed_feasible": truth,
+                              "caught_by_confirmation": said and not truth})
+    return misjudged
+
+
 def rank_agreement(ns: Options, record: dict[str, Any], ctx: Context, started: float) -> None:
     from erase_tune.benchmarks.rank_agreement import kendall_tau_b, pick_plans
     from erase_tune.tune.search.space import SearchSpace
@@ -124,12 +147,7 @@ def rank_agreement(ns: Options, record: dict[str, Any], ctx: Context, started: f
     # The longer run costs about scale x seeds times the short one: fit it in what is left.
     short_s = float(short.provenance.get("duration_s") or 0.0)
     left = ns.time_limit + ns.overrun - (time.monotonic() - started)
-    scale, seeds = ns.scale, ns.seeds
-    while short_s * scale * seeds > left and (seeds > 2 or scale > 2):
-        if seeds > 2:
-            seeds -= 1
-        else:
-            scale -= 1
+    scale, seeds = _fit_in_time(short_s, left, ns.scale, ns.seeds)
     if short_s * scale * seeds > left:
         record["rank"]["confirmed"] = f"skipped: needs about {short_s * scale * seeds:.0f}s, {left:.0f}s left"
         print(f"rank agreement: {record['rank']['confirmed']}", flush=True)
@@ -146,13 +164,7 @@ def rank_agreement(ns: Options, record: dict[str, Any], ctx: Context, started: f
     a = [rows[n]["search_ne_gap"] for n in cut]
     b = [rows[n]["confirmed_ne_gap"] for n in cut]
     tau = kendall_tau_b(a, b) if len(cut) >= 2 else math.nan
-    misjudged = []
-    for n in cut:
-        said = feasible(rows[n]["search_ne_gap"], space.max_ne_gap, band)
-        truth = feasible(rows[n]["confirmed_ne_gap"], space.max_ne_gap, band)
-        if said != truth:
-            misjudged.append({"plan": n, "search_feasible": said, "confirmed_feasible": truth,
-                              "caught_by_confirmation": said and not truth})
+    misjudged = _misjudged({n: rows[n] for n in cut}, space.max_ne_gap, band)
     record["rank"].update({"confirmed_steps": long.steps, "seeds": ns.seeds, "kendall_tau_b": tau,
                            "plans_with_cuts": len(cut), "misjudged": misjudged,
                            "confirmed_provenance": dict(long.provenance)})

@@ -15,7 +15,7 @@ import pytest
 
 from erase_tune.runtime import Cut, ErasePlan
 from erase_tune.store import Store
-from erase_tune.tune.views.export import NoConfirmedGain, export_plan
+from erase_tune.tune.views.export import ConfirmSettings, NoConfirmedGain, export_plan
 from erase_tune.tune.search.study import CONSTRAINTS, DIRECTIONS, METRIC_NAMES, Attr, constraint
 from tests.tune.conftest import SMOKE
 
@@ -51,12 +51,12 @@ def test_a_confirmed_ne_gap_above_the_budget_beyond_the_noise_is_not_exported(st
     _study(storage_url, "costly", confirmed_ne_gap=0.031)  # 3.1% > 2% + 0.5%
     out = tmp_path / "best.yaml"
     with pytest.raises(NoConfirmedGain) as e:
-        export_plan(storage_url, "costly", out, windows=5)
+        export_plan(storage_url, "costly", out, confirm=ConfirmSettings(windows=5))
     text = str(e.value)
     assert ("NE gap +3.10% [+2.70%, +3.50%] over 3 seeds of 250 steps; with the noise floor (±0.50%) its interval "
             "reaches above the budget 2.00%") in text
     assert "\n" not in text and not out.exists()
-    done = export_plan(storage_url, "costly", out, windows=5, force=True)
+    done = export_plan(storage_url, "costly", out, confirm=ConfirmSettings(windows=5), force=True)
     prov = ErasePlan.load(out).provenance
     assert done.point.number == 0 and prov["quality_confirmed"] is False and prov["confirmed_ne_gap"] == 0.031
 
@@ -66,13 +66,13 @@ def test_the_noise_floor_widens_the_interval_never_the_budget(storage_url, tmp_p
     # the noise floor says the measurement cannot tell, so the plan is not exported as within budget.
     _study(storage_url, "borderline", confirmed_ne_gap=0.013)
     with pytest.raises(NoConfirmedGain, match="its interval reaches above the budget 2.00%"):
-        export_plan(storage_url, "borderline", tmp_path / "best.yaml", windows=5)
+        export_plan(storage_url, "borderline", tmp_path / "best.yaml", confirm=ConfirmSettings(windows=5))
 
 
 def test_a_confirmed_ne_gap_whose_widened_interval_is_under_the_budget_is_exported(storage_url, tmp_path):
     _study(storage_url, "fine", confirmed_ne_gap=0.008)  # [0.4%, 1.2%] ± 0.5% lies under 2%
     out = tmp_path / "best.yaml"
-    export_plan(storage_url, "fine", out, windows=5)
+    export_plan(storage_url, "fine", out, confirm=ConfirmSettings(windows=5))
     prov = ErasePlan.load(out).provenance
     assert prov["quality_confirmed"] is True and prov["search_ne_gap"] == 0.012 and prov["ne_noise_band"] == BAND
     assert (prov["confirmed_ne_gap"], prov["confirmed_ne_gap_lo"], prov["confirmed_ne_gap_hi"]) == pytest.approx(

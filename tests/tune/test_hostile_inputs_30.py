@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from erase_tune.errors import EraseTuneError
-from erase_tune.tune.views.export import export_plan
+from erase_tune.tune.views.export import ConfirmSettings, export_plan
 from tests.tune.conftest import SMOKE, run_cli
 from tests.tune.studies import STUDY_NAME, write_finished_study
 from tests.tune.test_cli_errors import one_error_line
@@ -111,7 +111,8 @@ def test_export_option_out_of_range_is_refused_before_anything(study, capsys, ar
 def test_export_budget_bounds_themselves_are_accepted(study, gap):
     """The range's ends pass the check: export goes on to the study (whose front is not confirmed)."""
     with pytest.raises(EraseTuneError, match="front is not confirmed yet|no trial of study"):
-        export_plan(study["url"], STUDY_NAME, study["root"] / "best.yaml", max_ne_gap=gap, windows=2)
+        export_plan(study["url"], STUDY_NAME, study["root"] / "best.yaml", max_ne_gap=gap,
+                    confirm=ConfirmSettings(windows=2))
 
 
 @pytest.mark.parametrize(("argv", "needle"), [

@@ -46,7 +46,7 @@ from erase_tune.tune.run.confirm import (
 )
 from erase_tune.tune.search.study import Attr, FrontPoint, finalists, load_study, noise_band, pareto_front
 
-__all__ = ["PICKS", "NoConfirmedGain", "Exported", "export_plan", "pick_point", "storage_files"]
+__all__ = ["PICKS", "ConfirmSettings", "NoConfirmedGain", "Exported", "export_plan", "pick_point", "storage_files"]
 
 
 
@@ -64,32 +64,29 @@ class Exported:
     confirmations: dict[int, Confirmation]
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ConfirmSettings:
+    """How export confirms the front (``--repeats``, ``--quality-scale``, ``--quality-seeds``):
+    ``windows`` more timing windows per plan, and quality trained ``quality_scale`` times longer
+    over ``quality_seeds`` seeds (None: the space's own)."""
+
+    windows: int = 5
+    quality_scale: int | None = None
+    quality_seeds: int | None = None
+
+
 def export_plan(storage: str | None, study_name: str, out: str | Path, *, max_ne_gap: float | None = None,
-                pick: str = "max-gain", windows: int = 5, force: bool = False,
-                executor_factory: Any = None, quality_scale: int | None = None,
-                quality_seeds: int | None = None) -> Exported:
+                pick: str = "max-gain", force: bool = False, executor_factory: Any = None,
+                confirm: ConfirmSettings = ConfirmSettings()) -> Exported:
     """Confirm the front (where not yet confirmed) and write the chosen plan to ``out``."""
-    if pick not in PICKS:
-        raise EraseTuneError(f"--pick: {pick!r} is not one of {', '.join(PICKS)}")
-    if isinstance(windows, bool) or not isinstance(windows, int) or windows < MIN_CONFIRM_WINDOWS:
-        raise EraseTuneError(f"--repeats: {shown(windows)} must be an integer >= {MIN_CONFIRM_WINDOWS} (an interval "
-                             "needs two windows)")
-    if max_ne_gap is not None and (isinstance(max_ne_gap, bool) or not isinstance(max_ne_gap, (int, float))
-                                   or not 0 <= max_ne_gap <= MAX_NE_GAP):  # also refuses nan
-        raise EraseTuneError(f"--max-ne-gap: {shown(max_ne_gap)} must be between 0 and {MAX_NE_GAP:g} (as a space "
-                             "file's max_ne_gap)")
+    windows = confirm.windows
+    _check_arguments(pick, windows, max_ne_gap)
     target = _check_output(out, storage)  # as typed: Path() would drop a trailing slash
     db = open_storage(storage if storage is not None else default_storage_url(), must_exist=True)
     try:
         study = load_study(db, study_name)
         budget = max_ne_gap if max_ne_gap is not None else study.user_attrs.get(Attr.MAX_NE_GAP)
-        front = finalists(study, budget, MAX_CONFIRMED)
-        if not front:
-            every = pareto_front(study)
-            if not every:
-                raise EraseTuneError(f"study {shown(study.study_name)} has no complete trial to export")
-            raise EraseTuneError(f"no trial of study {shown(study.study_name)} is within NE gap {budget:.2%} (smallest gap "
-                                 f"on the front: {min(p.ne_gap for p in every):.2%}); pass a larger --max-ne-gap")
+        front = _front_within(study, budget)
         job = db.store.get_job(study.study_name)
         done = _latest(db.store.confirmations(job) if job else [], windows)
         if any(p.number not in done for p in front[:MAX_CONFIRMED]):
@@ -100,20 +97,7 @@ def export_plan(storage: str | None, study_name: str, out: str | Path, *, max_ne
             done = _latest(db.store.confirmations(job), windows)
         confirmed = {n: c for n, c in done.items() if any(p.number == n for p in front)}
         showing = [p for p in front if p.number in confirmed and confirmed[p.number].gain_lo > 0]
-        quality = _latest_quality(db.store.quality_confirmations(job)) if job else {}
-        space = _stored_space(job)
-        space = None if space is None else with_quality(space, quality_scale, quality_seeds)
-        missing = [p for p in showing if p.number not in quality]
-        # A job whose time budget left the quality confirmation out chose without it: export agrees
-        # with it unless asked to confirm quality now (--quality-scale).
-        left_out = bool(study.user_attrs.get(Attr.QUALITY_LEFT_OUT)) and quality_scale is None
-        if space is not None and space.budget.quality_scale and missing and not left_out:
-            if executor_factory is None:
-                raise EraseTuneError("the front's quality is not confirmed yet and no executor was given to confirm it")
-            with executor_factory(job) as (executor, space_like):
-                confirm_quality_front(db, study, with_quality(space_like, quality_scale, quality_seeds), executor,
-                                      missing)
-            quality = _latest_quality(db.store.quality_confirmations(job))
+        space, quality = _confirmed_quality(db, study, job, showing, executor_factory, confirm)
         band = noise_band(study)
         choice = choose(front, confirmed, quality, max_ne_gap=budget, band=band, pick=pick,
                         gain_over=study.user_attrs.get(Attr.GAIN_OVER, "eager"),
@@ -133,6 +117,53 @@ def export_plan(storage: str | None, study_name: str, out: str | Path, *, max_ne
         return Exported(plan=plan, point=point, confirmation=conf, confirmations=confirmed)
     finally:
         db.close()
+
+
+def _check_arguments(pick: str, windows: int, max_ne_gap: float | None) -> None:
+    """Refuse a ``--pick``, ``--repeats`` or ``--max-ne-gap`` export cannot use, before anything is opened."""
+    if pick not in PICKS:
+        raise EraseTuneError(f"--pick: {pick!r} is not one of {', '.join(PICKS)}")
+    if isinstance(windows, bool) or not isinstance(windows, int) or windows < MIN_CONFIRM_WINDOWS:
+        raise EraseTuneError(f"--repeats: {shown(windows)} must be an integer >= {MIN_CONFIRM_WINDOWS} (an interval "
+                             "needs two windows)")
+    if max_ne_gap is not None and (isinstance(max_ne_gap, bool) or not isinstance(max_ne_gap, (int, float))
+                                   or not 0 <= max_ne_gap <= MAX_NE_GAP):  # also refuses nan
+        raise EraseTuneError(f"--max-ne-gap: {shown(max_ne_gap)} must be between 0 and {MAX_NE_GAP:g} (as a space "
+                             "file's max_ne_gap)")
+
+
+def _front_within(study: optuna.Study, budget: float | None) -> list[FrontPoint]:
+    """The finalists of the front within the NE budget; refused, saying why, when there are none."""
+    front = finalists(study, budget, MAX_CONFIRMED)
+    if not front:
+        every = pareto_front(study)
+        if not every:
+            raise EraseTuneError(f"study {shown(study.study_name)} has no complete trial to export")
+        raise EraseTuneError(f"no trial of study {shown(study.study_name)} is within NE gap {budget:.2%} (smallest gap "
+                             f"on the front: {min(p.ne_gap for p in every):.2%}); pass a larger --max-ne-gap")
+    return front
+
+
+def _confirmed_quality(db: Storage, study: optuna.Study, job: Any, showing: list[FrontPoint], executor_factory: Any,
+                       confirm: ConfirmSettings) -> tuple[SearchSpace | None, dict[int, QualityConfirmation]]:
+    """The job's space (with ``confirm``'s quality scale and seeds) and the newest quality
+    confirmation of each trial, after confirming the quality of the plans in ``showing`` that
+    have none yet (where the space asks for it)."""
+    quality = _latest_quality(db.store.quality_confirmations(job)) if job else {}
+    space = _stored_space(job)
+    space = None if space is None else with_quality(space, confirm.quality_scale, confirm.quality_seeds)
+    missing = [p for p in showing if p.number not in quality]
+    # A job whose time budget left the quality confirmation out chose without it: export agrees
+    # with it unless asked to confirm quality now (--quality-scale).
+    left_out = bool(study.user_attrs.get(Attr.QUALITY_LEFT_OUT)) and confirm.quality_scale is None
+    if space is not None and space.budget.quality_scale and missing and not left_out:
+        if executor_factory is None:
+            raise EraseTuneError("the front's quality is not confirmed yet and no executor was given to confirm it")
+        with executor_factory(job) as (executor, space_like):
+            confirm_quality_front(db, study, with_quality(space_like, confirm.quality_scale, confirm.quality_seeds),
+                                  executor, missing)
+        quality = _latest_quality(db.store.quality_confirmations(job))
+    return space, quality
 
 
 def _latest(confirmations: list[Confirmation], windows: int) -> dict[int, Confirmation]:
