@@ -27,7 +27,8 @@ from erase_tune.runtime import EraseEngine, ErasePlan
 from erase_tune.runtime.device import resolve_device
 from erase_tune.workloads import Workload
 
-__all__ = ["StepCost", "Phase", "measure_step", "trial_seconds", "job_phases", "describe_phases", "duration"]
+__all__ = ["StepCost", "Phase", "TrialShape", "JobShape", "measure_step", "trial_seconds", "job_phases", "describe_phases",
+           "duration"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -93,22 +94,55 @@ def trial_seconds(cost: StepCost, *, variants: int, warmup_steps: int, window_st
     return variants * (cost.build_s + (warmup_steps + windows * window_steps) * cost.step_s) + ne_steps * cost.step_s
 
 
-def job_phases(cost: StepCost, *, warmup_steps: int, window_steps: int, min_windows: int, max_windows: int,
-               quality_steps: int, screen_plans: int, search_trials: int, reference: bool, may_detach: bool,
-               noise_runs: int, training_steps: int, confirm_plans: int, confirm_min_windows: int,
-               confirm_max_windows: int, quality_runs: int) -> list[Phase]:
-    """The phases of a job (module docstring). ``screen_plans`` are exact or single-cut plans,
-    measured like any trial; ``reference``: trials also time the whole-step graph; ``noise_runs``
-    and ``quality_runs``: trainings of ``training_steps`` (the quality runs already scaled)."""
-    exact_variants = 2 + int(reference)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrialShape:
+    """What one trial of the job runs: its budget's steps and windows, whether it also times the
+    whole-step graph (``reference``) and whether the space can cut (``may_detach``: then a trial
+    may train for NE and time the detach-only twin)."""
+
+    warmup_steps: int
+    window_steps: int
+    min_windows: int
+    max_windows: int
+    quality_steps: int
+    training_steps: int
+    reference: bool
+    may_detach: bool
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class JobShape:
+    """How many of each phase's runs the job has: ``screen_plans`` (exact or single-cut plans,
+    measured like any trial), ``search_trials``, ``noise_runs`` and ``quality_runs`` (trainings of
+    the trial's training steps, the quality runs already scaled), and the confirmation's plans
+    and windows."""
+
+    screen_plans: int
+    search_trials: int
+    noise_runs: int
+    confirm_plans: int
+    confirm_min_windows: int
+    confirm_max_windows: int
+    quality_runs: int
+
+
+def job_phases(cost: StepCost, trial: TrialShape, job: JobShape) -> list[Phase]:
+    """The phases of a job (module docstring)."""
+    t, j = trial, job
+    warmup_steps, window_steps, quality_steps, training_steps = (t.warmup_steps, t.window_steps, t.quality_steps,
+                                                                 t.training_steps)
+    may_detach, screen_plans, search_trials = t.may_detach, j.screen_plans, j.search_trials
+    noise_runs, confirm_plans, quality_runs = j.noise_runs, j.confirm_plans, j.quality_runs
+    confirm_min_windows, confirm_max_windows = j.confirm_min_windows, j.confirm_max_windows
+    exact_variants = 2 + int(t.reference)
     cut_variants = exact_variants + 1  # the detach-only twin
     ne = 2 * quality_steps  # candidate and, at worst, the baseline
 
     def trials(n: int, variants_low: int, variants_high: int, ne_high: int) -> tuple[float, float]:
         low = n * trial_seconds(cost, variants=variants_low, warmup_steps=warmup_steps, window_steps=window_steps,
-                                windows=min_windows)
+                                windows=t.min_windows)
         high = n * trial_seconds(cost, variants=variants_high, warmup_steps=warmup_steps,
-                                 window_steps=window_steps, windows=max_windows, ne_steps=ne_high)
+                                 window_steps=window_steps, windows=t.max_windows, ne_steps=ne_high)
         return low, high
 
     phases = []

@@ -37,7 +37,15 @@ from typing import Any
 import torch
 
 from erase_tune.errors import EraseTuneError, first_line
-from erase_tune.measure.estimate import Phase, StepCost, describe_phases, job_phases, measure_step
+from erase_tune.measure.estimate import (
+    JobShape,
+    Phase,
+    StepCost,
+    TrialShape,
+    describe_phases,
+    job_phases,
+    measure_step,
+)
 from erase_tune.runtime import EraseEngine, ErasePlan
 from erase_tune.runtime.device import resolve_device
 from erase_tune.measure.trial import GRAPH_WARMUP, reference_capture_error
@@ -214,13 +222,14 @@ def phases(space: SearchSpace, cost: StepCost, *, left: int, singles: int | None
     # the singles and, at most, as many unions again (pairs and the all-union of the gainers)
     screen = min(left, 2 * singles) if singles is not None else 0
     quality_runs = (MAX_CONFIRMED + 1) * b.quality_seeds * b.quality_scale if b.quality_scale else 0
-    out = job_phases(cost, warmup_steps=b.warmup_steps, window_steps=b.window_steps, min_windows=b.windows,
-                     max_windows=b.max_windows, quality_steps=b.quality_steps, screen_plans=screen,
-                     search_trials=left - screen, reference=b.reference and cuda, may_detach=space.may_detach,
-                     noise_runs=(b.noise_repeats + 1) if b.noise_repeats and noise_due else 0,
-                     training_steps=b.training_steps, confirm_plans=MAX_CONFIRMED if confirm_windows else 0,
-                     confirm_min_windows=confirm_windows,
-                     confirm_max_windows=max(confirm_windows, CONFIRM_MAX_WINDOWS), quality_runs=quality_runs)
+    trial = TrialShape(warmup_steps=b.warmup_steps, window_steps=b.window_steps, min_windows=b.windows,
+                       max_windows=b.max_windows, quality_steps=b.quality_steps, training_steps=b.training_steps,
+                       reference=b.reference and cuda, may_detach=space.may_detach)
+    job = JobShape(screen_plans=screen, search_trials=left - screen,
+                   noise_runs=(b.noise_repeats + 1) if b.noise_repeats and noise_due else 0,
+                   confirm_plans=MAX_CONFIRMED if confirm_windows else 0, confirm_min_windows=confirm_windows,
+                   confirm_max_windows=max(confirm_windows, CONFIRM_MAX_WINDOWS), quality_runs=quality_runs)
+    out = job_phases(cost, trial, job)
     if slots > 1:  # trials share the slots; the rest runs on one
         out = [dataclasses.replace(p, low_s=p.low_s / slots, high_s=p.high_s / slots)
                if p.name in ("screen", "search") else p for p in out]
