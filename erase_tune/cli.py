@@ -41,15 +41,14 @@ from erase_tune.cli_args import (
     dashboard_args,
     db_args,
     export_args,
-    one_line,
     report_args,
     start_args,
     status_args,
     trial_args,
 )
-from erase_tune.errors import EraseTuneError, Terminated
+from erase_tune.errors import EraseTuneError, Terminated, one_line
 
-__all__ = ["main", "build_parser", "one_line"]
+__all__ = ["main", "build_parser"]
 
 log = logging.getLogger("erase_tune")
 
@@ -466,7 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except EraseTuneError as e:
         if _received:  # what failed was stopped by the signal: say that, once
             return _stopped(_received[0])
-        print(f"erase-tune: error: {one_line(e)}", file=sys.stderr)
+        print(f"erase-tune: error: {one_line(e, squeeze=True)}", file=sys.stderr)
         return int(getattr(e, "exit_code", 2))
     except Terminated as e:
         return _stopped(e.signum)

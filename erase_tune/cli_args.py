@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 from typing import NoReturn
 
-__all__ = ["Parser", "one_line", "trial_args", "bench_args", "check_args", "start_args", "status_args", "export_args",
+from erase_tune.errors import one_line
+
+__all__ = ["Parser", "trial_args", "bench_args", "check_args", "start_args", "status_args", "export_args",
            "report_args", "dashboard_args", "db_args"]
 
 MAX_USAGE_MESSAGE = 300
@@ -16,16 +18,10 @@ MAX_USAGE_MESSAGE = 300
 class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line, exit 2 (argparse's own prints usage too)
         # argparse quotes the value it refused in full: a 5000-digit --trials would fill the screen.
-        message = one_line(message)
+        message = one_line(message, squeeze=True)
         if len(message) > MAX_USAGE_MESSAGE:
             message = message[: MAX_USAGE_MESSAGE - 1] + "…"
         self.exit(2, f"erase-tune: error: {message} (see: {self.prog} --help)\n")
-
-
-def one_line(message: object) -> str:
-    """``message`` on one line: whitespace runs collapsed, other control characters escaped."""
-    text = " ".join(str(message).split())
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 # -- options -----------------------------------------------------------------------------

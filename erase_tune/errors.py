@@ -47,9 +47,15 @@ class Terminated(KeyboardInterrupt):
         self.signum = signum
 
 
-def one_line(text: str, limit: int | None = None) -> str:
-    """``text`` with every non-printable character (newline, tab, escape, ...) escaped; cut
-    to at most ``limit`` characters when given."""
+def one_line(text: object, limit: int | None = None, *, squeeze: bool = False) -> str:
+    """``text`` (``str()`` of it) on one line, the one helper every one-line error goes through:
+    with ``squeeze``, every run of white space (newlines included) becomes one space, as for a
+    message (an exception's, a driver's); then every non-printable character left (newline,
+    tab, escape, ...) is escaped, as for a value the user typed; cut to at most ``limit``
+    characters when given."""
+    if isinstance(text, BaseException) and not str(text).strip():
+        text = type(text).__name__  # an exception with no message: its type says what it was
+    text = " ".join(str(text).split()) if squeeze else str(text)
     if not text.isprintable():
         text = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
     return text if limit is None or len(text) <= limit else text[: limit - 1] + "…"

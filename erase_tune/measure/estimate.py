@@ -27,8 +27,8 @@ from erase_tune.runtime import EraseEngine, ErasePlan
 from erase_tune.runtime.device import resolve_device
 from erase_tune.workloads import Workload
 
-__all__ = ["StepCost", "Phase", "TrialShape", "JobShape", "measure_step", "trial_seconds", "job_phases", "describe_phases",
-           "duration"]
+__all__ = ["StepCost", "Phase", "TrialShape", "JobShape", "measure_step", "trial_seconds", "job_phases",
+           "describe_phases", "duration"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

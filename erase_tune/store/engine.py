@@ -23,7 +23,7 @@ from erase_tune._env import env_text
 from erase_tune.errors import EraseTuneError
 
 __all__ = ["SUPPORTED_BACKENDS", "STORAGE_ENV", "default_storage_url", "redact_url", "shown_url", "parse_url",
-           "engine_kwargs", "build_engine", "one_line"]
+           "engine_kwargs", "build_engine", "masked_line"]
 
 SUPPORTED_BACKENDS = ("sqlite", "postgresql")
 """The backends the upserts in :mod:`erase_tune.store.repo` are written (and tested) for."""
@@ -77,9 +77,10 @@ def _secrets(url: URL) -> list[str]:
     return sorted({str(s) for s in found if s}, key=len, reverse=True)
 
 
-def one_line(message: object, url: URL | None = None) -> str:
-    """A driver's (often multi-line) message squeezed onto one line, secrets masked."""
-    text = " ".join(str(message).split())
+def masked_line(message: object, url: URL | None = None) -> str:
+    """A driver's (often multi-line) message on one line (:func:`erase_tune.errors.one_line`),
+    the secrets of ``url`` masked."""
+    text = errors.one_line(message, squeeze=True)
     for secret in _secrets(url) if url is not None else ():
         text = text.replace(secret, "***")
     return text
@@ -150,7 +151,7 @@ def build_engine(url: URL) -> Engine:
         return create_engine(url, **engine_kwargs(url))
     except (NoSuchModuleError, ImportError) as exc:
         raise EraseTuneError(
-            f"cannot load the database driver for storage URL {shown_url(url)}: {one_line(exc, url)}"
+            f"cannot load the database driver for storage URL {shown_url(url)}: {masked_line(exc, url)}"
         ) from None
 
 

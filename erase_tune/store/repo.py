@@ -35,7 +35,7 @@ from erase_tune.store import migrate
 from erase_tune.store.engine import (
     WRITE_OPTION,
     build_engine,
-    one_line,
+    masked_line,
     parse_url,
     redact_url,
 )
@@ -104,7 +104,7 @@ class Store(Results):
             conn = self._engine().connect()
         except DBAPIError as exc:
             raise EraseTuneError(
-                f"cannot connect to database {self._shown_url}: {one_line(exc.orig, self._url)}"
+                f"cannot connect to database {self._shown_url}: {masked_line(exc.orig, self._url)}"
             ) from None
         with conn:
             yield conn.execution_options(**{WRITE_OPTION: True})
@@ -173,7 +173,8 @@ class Store(Results):
             yield
         except (DBAPIError, CommandError) as exc:  # CommandError: e.g. a revision we do not know
             reason = exc.orig if isinstance(exc, DBAPIError) else exc
-            raise EraseTuneError(f"database {what} failed on {self._shown_url}: {one_line(reason, self._url)}") from None
+            why = masked_line(reason, self._url)
+            raise EraseTuneError(f"database {what} failed on {self._shown_url}: {why}") from None
 
     # -- jobs ----------------------------------------------------------------------------
 

@@ -35,7 +35,7 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from erase_tune._env import RETRY_ENV, env_seconds
 from erase_tune.errors import EraseTuneError
-from erase_tune.store.engine import one_line
+from erase_tune.store.engine import masked_line
 
 __all__ = ["RETRY_ENV", "StorageLost", "UncertainCommit", "Retrier", "retrying", "retried", "cause"]
 
@@ -84,12 +84,12 @@ def cause(e: BaseException, parsed: URL | None) -> str:
     seen = e
     for _ in range(8):
         if isinstance(seen, DBAPIError) and seen.orig is not None:
-            return one_line(seen.orig, parsed)
+            return masked_line(seen.orig, parsed)
         nxt = seen.__cause__ or seen.__context__
         if nxt is None:
             break
         seen = nxt
-    return one_line(seen, parsed)
+    return masked_line(seen, parsed)
 
 
 class Retrier:

@@ -49,14 +49,16 @@ def get_workload(name: str, args: Mapping[str, Any] | None = None) -> Workload:
     try:
         result = factory(**call_args)
     except WorkloadError as exc:
-        message = _one_line(exc)
+        message = one_line(exc, 300, squeeze=True)
         if message.startswith("workload "):
             raise
         raise WorkloadError(f"workload {shown(name)}: {message}") from exc
     except Exception as exc:
-        raise WorkloadError(f"workload {shown(name)}: factory failed: {type(exc).__name__}: {_one_line(exc)}") from exc
+        why = one_line(exc, 300, squeeze=True)
+        raise WorkloadError(f"workload {shown(name)}: factory failed: {type(exc).__name__}: {why}") from exc
     except SystemExit as exc:  # e.g. builtins:exit: the command would end "successfully" having done nothing
-        raise WorkloadError(f"workload {shown(name)}: the factory exited the program (SystemExit {_one_line(exc)}): "
+        code = one_line(exc, 300, squeeze=True)
+        raise WorkloadError(f"workload {shown(name)}: the factory exited the program (SystemExit {code}): "
                             "it is not a workload factory") from None
     if not isinstance(result, Workload):
         raise WorkloadError(
@@ -91,12 +93,6 @@ def fused_if_cuda(cls: type[torch.optim.Optimizer], params: Iterable[Any], **kwa
 # ---------------------------------------------------------------------------------------
 
 
-def _one_line(exc: BaseException, limit: int = 300) -> str:
-    """A user factory's or module's own error message: one line, at most ``limit`` characters."""
-    text = one_line(" ".join(str(exc).split())) or type(exc).__name__
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
 def _resolve(name: str) -> Callable[..., Any]:
     if name in BUILTINS:
         return importlib.import_module(f"{__name__}.{name}").workload
@@ -113,7 +109,7 @@ def _resolve(name: str) -> Callable[..., Any]:
     except Exception as exc:  # a user module can fail to import in any way (SyntaxError, ...)
         raise WorkloadError(
             f"workload {shown(name)}: cannot import module {shown(module_name)} "
-            f"({type(exc).__name__}: {_one_line(exc)})"
+            f"({type(exc).__name__}: {one_line(exc, 300, squeeze=True)})"
         ) from exc
     for part in attr.split("."):
         if not hasattr(target, part):
