@@ -48,6 +48,7 @@ from hypothesis import strategies as st
 from erase_tune.cli import main
 from erase_tune.errors import EraseTuneError
 from erase_tune.runtime import ErasePlan
+from erase_tune.store import ConfirmationRecord, QualityRecord
 from erase_tune.tune.search.space import SearchSpace
 from tests.test_hostile import SPACE, Bounds, _Hung, _say, one_line, profile
 
@@ -183,11 +184,12 @@ class OutputWorld:
             study = optuna.load_study(study_name=self.study, storage=db.optuna)
             for n in FRONT:
                 plan = ErasePlan.from_dict(study.trials[n].user_attrs["plan"])
-                db.store.record_confirmation(job, n, plan_yaml=plan.dumps(), gain_over="eager", windows=5, gain=0.1,
-                                             gain_lo=0.05, gain_hi=0.15, samples={}, provenance={})
-                db.store.record_quality(job, n, plan_yaml=plan.dumps(), steps=100, seeds=3, ne_gap=0.001,
-                                        ne_gap_lo=-0.002, ne_gap_hi=0.004, per_seed=[0.0, 0.001, 0.002],
-                                        exact=not plan.cuts, band=0.002, provenance={})
+                db.store.record_confirmation(job, n, ConfirmationRecord(
+                    plan_yaml=plan.dumps(), gain_over="eager", windows=5, gain=0.1, gain_lo=0.05, gain_hi=0.15,
+                    samples={}, provenance={}))
+                db.store.record_quality(job, n, QualityRecord(
+                    plan_yaml=plan.dumps(), steps=100, seeds=3, ne_gap=0.001, ne_gap_lo=-0.002, ne_gap_hi=0.004,
+                    per_seed=[0.0, 0.001, 0.002], exact=not plan.cuts, band=0.002, provenance={}))
         finally:
             db.close()
 

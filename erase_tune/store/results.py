@@ -32,9 +32,12 @@ from erase_tune.store.retry import Retrier, retried
 from erase_tune.store.values import (
     BaselineEntry,
     Confirmation,
+    ConfirmationRecord,
     Export,
     Job,
+    OutcomeRecord,
     QualityConfirmation,
+    QualityRecord,
     StoredNoiseFloor,
     StoredOutcome,
     json_safe,
@@ -63,31 +66,18 @@ class Results:
     # -- trial outcomes -------------------------------------------------------------------
 
     @retried("recording a trial's outcome")
-    def record_outcome(
-        self,
-        job: Job,
-        trial_number: int,
-        *,
-        plan_yaml: str,
-        status: str,
-        failure_kind: str | None = None,
-        failure_reason: str | None = None,
-        traceback: str | None = None,
-        attempts: int = 1,
-        node: str | None = None,
-        samples: Mapping[str, Any] | None = None,
-        provenance: Mapping[str, Any] | None = None,
-    ) -> StoredOutcome:
+    def record_outcome(self, job: Job, trial_number: int, record: OutcomeRecord) -> StoredOutcome:
         """Record what trial ``trial_number`` of ``job`` sent back. Idempotent on (job, trial
         number): a repeated write (a retry after a lost connection) replaces the row."""
-        if status not in OUTCOME_STATUSES:
-            raise ValueError(f"outcome status {status!r} is not one of {', '.join(OUTCOME_STATUSES)}")
-        if failure_kind is not None and failure_kind not in FAILURE_KINDS:
-            raise ValueError(f"failure kind {failure_kind!r} is not one of {', '.join(FAILURE_KINDS)}")
+        r = record
+        if r.status not in OUTCOME_STATUSES:
+            raise ValueError(f"outcome status {r.status!r} is not one of {', '.join(OUTCOME_STATUSES)}")
+        if r.failure_kind is not None and r.failure_kind not in FAILURE_KINDS:
+            raise ValueError(f"failure kind {r.failure_kind!r} is not one of {', '.join(FAILURE_KINDS)}")
         fields = dict(
-            plan_yaml=plan_yaml, status=status, failure_kind=failure_kind, failure_reason=failure_reason,
-            traceback=traceback, attempts=attempts, node=node, samples=_samples(samples or {}),
-            provenance=json_safe(dict(provenance or {}), where="provenance"),
+            plan_yaml=r.plan_yaml, status=r.status, failure_kind=r.failure_kind, failure_reason=r.failure_reason,
+            traceback=r.traceback, attempts=r.attempts, node=r.node, samples=_samples(r.samples),
+            provenance=json_safe(dict(r.provenance), where="provenance"),
         )
         insert = self._insert(TrialOutcomeRow).values(job_id=job.id, trial_number=trial_number, created_at=utc_now(),
                                                       **fields)
@@ -120,13 +110,12 @@ class Results:
     # -- confirmations -------------------------------------------------------------------
 
     @retried("recording a confirmation", idempotent=False)
-    def record_confirmation(self, job: Job, trial_number: int, *, plan_yaml: str, gain_over: str, windows: int,
-                            gain: float, gain_lo: float, gain_hi: float, samples: Mapping[str, Any],
-                            provenance: Mapping[str, Any]) -> Confirmation:
+    def record_confirmation(self, job: Job, trial_number: int, record: ConfirmationRecord) -> Confirmation:
         """Keep a confirming measurement of trial ``trial_number``'s plan."""
-        row = ConfirmationRow(job_id=job.id, trial_number=trial_number, plan_yaml=plan_yaml, gain_over=gain_over,
-                              windows=windows, gain=gain, gain_lo=gain_lo, gain_hi=gain_hi,
-                              samples=_samples(samples), provenance=json_safe(dict(provenance), where="provenance"),
+        r = record
+        row = ConfirmationRow(job_id=job.id, trial_number=trial_number, plan_yaml=r.plan_yaml, gain_over=r.gain_over,
+                              windows=r.windows, gain=r.gain, gain_lo=r.gain_lo, gain_hi=r.gain_hi,
+                              samples=_samples(r.samples), provenance=json_safe(dict(r.provenance), where="provenance"),
                               created_at=utc_now())
         with self._session() as s:
             s.add(row)
@@ -166,15 +155,15 @@ class Results:
             return None if row is None else _noise_floor(row)
 
     @retried("recording a quality confirmation", idempotent=False)
-    def record_quality(self, job: Job, trial_number: int, *, plan_yaml: str, steps: int, seeds: int, ne_gap: float,
-                       ne_gap_lo: float, ne_gap_hi: float, per_seed: Sequence[float], exact: bool, band: float,
-                       provenance: Mapping[str, Any]) -> QualityConfirmation:
+    def record_quality(self, job: Job, trial_number: int, record: QualityRecord) -> QualityConfirmation:
         """Keep a quality confirmation of trial ``trial_number``'s plan."""
+        r = record
         row = QualityConfirmationRow(
-            job_id=job.id, trial_number=trial_number, plan_yaml=plan_yaml, steps=steps, seeds=seeds, ne_gap=ne_gap,
-            ne_gap_lo=ne_gap_lo, ne_gap_hi=ne_gap_hi,
-            detail=json_safe({"per_seed": list(per_seed), "exact": bool(exact), "band": float(band)}, where="detail"),
-            provenance=json_safe(dict(provenance), where="provenance"), created_at=utc_now())
+            job_id=job.id, trial_number=trial_number, plan_yaml=r.plan_yaml, steps=r.steps, seeds=r.seeds,
+            ne_gap=r.ne_gap, ne_gap_lo=r.ne_gap_lo, ne_gap_hi=r.ne_gap_hi,
+            detail=json_safe({"per_seed": list(r.per_seed), "exact": bool(r.exact), "band": float(r.band)},
+                             where="detail"),
+            provenance=json_safe(dict(r.provenance), where="provenance"), created_at=utc_now())
         with self._session() as s:
             s.add(row)
             s.flush()

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 __all__ = ["JobStatus", "OutcomeStatus", "FailureKind", "Job", "StoredOutcome", "Confirmation", "BaselineEntry",
-           "StoredNoiseFloor", "QualityConfirmation",
+           "StoredNoiseFloor", "QualityConfirmation", "OutcomeRecord", "ConfirmationRecord", "QualityRecord",
            "Export", "baseline_key", "json_safe", "utc_now"]
 
 JobStatus = Literal["running", "finished", "failed", "interrupted"]
@@ -74,6 +74,54 @@ class StoredOutcome:
     """Per variant: ``{"steps_s": [...], "window": [...]}``, per-step seconds and their window."""
     provenance: dict[str, Any]
     created_at: dt.datetime
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OutcomeRecord:
+    """What a caller writes of one trial's outcome (:meth:`~erase_tune.store.Store.record_outcome`):
+    a :class:`StoredOutcome` without the keys and the time the store adds."""
+
+    plan_yaml: str
+    status: OutcomeStatus
+    failure_kind: FailureKind | None = None
+    failure_reason: str | None = None
+    traceback: str | None = None
+    attempts: int = 1
+    node: str | None = None
+    samples: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    provenance: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ConfirmationRecord:
+    """What a caller writes of a confirming measurement (:class:`Confirmation` without the
+    keys and the time the store adds)."""
+
+    plan_yaml: str
+    gain_over: str
+    windows: int
+    gain: float
+    gain_lo: float
+    gain_hi: float
+    samples: Mapping[str, Any]
+    provenance: Mapping[str, Any]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QualityRecord:
+    """What a caller writes of a quality confirmation (:class:`QualityConfirmation` without the
+    keys and the time the store adds)."""
+
+    plan_yaml: str
+    steps: int
+    seeds: int
+    ne_gap: float
+    ne_gap_lo: float
+    ne_gap_hi: float
+    per_seed: tuple[float, ...]
+    exact: bool
+    band: float
+    provenance: Mapping[str, Any]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

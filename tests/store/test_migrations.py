@@ -17,9 +17,11 @@ from sqlalchemy.pool import NullPool
 
 from erase_tune.errors import EraseTuneError
 from erase_tune.store import (
-    VERSION_TABLE,
+    OutcomeRecord,
+    QualityRecord,
     SchemaError,
     Store,
+    VERSION_TABLE,
     head_revision,
     upgrade_sql,
 )
@@ -77,7 +79,8 @@ def test_upgrade_downgrade_upgrade_leaves_optuna_alone(storage_url: str) -> None
         assert table_names(storage_url) == optuna_tables | OUR_TABLES | {VERSION_TABLE}
         assert optuna_version(storage_url) == optuna_rev
         job = store.create_job(study_name="unrelated", space_path="s.yaml", space_yaml="", workload="mlp")
-        store.record_outcome(job, 0, plan_yaml="", status="complete")
+        store.record_outcome(job, 0, OutcomeRecord(
+            plan_yaml="", status="complete"))
         assert optuna_study(storage_url, n_trials=1) == 3  # Optuna is fine with our tables beside
 
         store.downgrade()
@@ -181,12 +184,14 @@ def test_0002_carries_trial_measurements_over_and_back(store: Store, storage_url
 def test_0003_adds_noise_floors_and_quality_and_keeps_what_is_stored(store: Store, storage_url: str) -> None:
     store.upgrade()
     job = store.create_job(study_name="kept", space_path="s.yaml", space_yaml="", workload="mlp")
-    store.record_outcome(job, 0, plan_yaml="cuts: []", status="complete")
+    store.record_outcome(job, 0, OutcomeRecord(
+        plan_yaml="cuts: []", status="complete"))
     floor = store.record_noise_floor(job, {"band": 0.02, "gaps": [0.01, -0.02], "kinds": ["order", "graph"],
                                            "ne_reference": 0.8, "training_steps": 40, "repeats": 1})
     assert store.noise_floor(job) == floor and floor.kinds == ("order", "graph") and floor.band == 0.02
-    q = store.record_quality(job, 0, plan_yaml="cuts: []", steps=160, seeds=3, ne_gap=0.01, ne_gap_lo=-0.01,
-                             ne_gap_hi=0.03, per_seed=[0.0, 0.01, 0.02], exact=False, band=0.02, provenance={})
+    q = store.record_quality(job, 0, QualityRecord(
+        plan_yaml="cuts: []", steps=160, seeds=3, ne_gap=0.01, ne_gap_lo=-0.01, ne_gap_hi=0.03,
+        per_seed=[0.0, 0.01, 0.02], exact=False, band=0.02, provenance={}))
     assert store.quality_confirmations(job) == [q] and q.per_seed == (0.0, 0.01, 0.02)
     store.downgrade("0002")
     tables = table_names(storage_url)

@@ -13,7 +13,9 @@ from sqlalchemy.engine import make_url
 from erase_tune.errors import EraseTuneError
 from erase_tune.store import (
     Confirmation,
+    ConfirmationRecord,
     Job,
+    OutcomeRecord,
     SchemaError,
     Store,
     StoredOutcome,
@@ -88,8 +90,9 @@ SAMPLES = {"baseline": {"steps_s": [0.010, 0.011, 0.0105], "window": [0, 0, 1]},
 
 def test_record_outcome_round_trip(migrated: Store) -> None:
     job = new_job(migrated)
-    o = migrated.record_outcome(job, 3, plan_yaml=PLAN, status="complete", attempts=2, node="10.0.0.1/abc",
-                                samples=SAMPLES, provenance={"device_name": "NVIDIA H200", "torch": "2.11.0"})
+    o = migrated.record_outcome(job, 3, OutcomeRecord(
+        plan_yaml=PLAN, status="complete", attempts=2, node="10.0.0.1/abc", samples=SAMPLES,
+        provenance={"device_name": "NVIDIA H200", "torch": "2.11.0"}))
     assert isinstance(o, StoredOutcome)
     assert (o.job_id, o.trial_number, o.status, o.attempts, o.node) == (job.id, 3, "complete", 2, "10.0.0.1/abc")
     assert o.samples == SAMPLES and o.provenance["torch"] == "2.11.0"
@@ -101,9 +104,11 @@ def test_record_outcome_round_trip(migrated: Store) -> None:
 
 def test_record_outcome_is_idempotent(migrated: Store) -> None:
     job = new_job(migrated)
-    first = migrated.record_outcome(job, 0, plan_yaml=PLAN, status="failed", failure_kind="infra",
-                                    failure_reason="worker died", traceback="Traceback ...")
-    again = migrated.record_outcome(job, 0, plan_yaml=PLAN, status="complete", samples=SAMPLES)
+    first = migrated.record_outcome(job, 0, OutcomeRecord(
+        plan_yaml=PLAN, status="failed", failure_kind="infra", failure_reason="worker died",
+        traceback="Traceback ..."))
+    again = migrated.record_outcome(job, 0, OutcomeRecord(
+        plan_yaml=PLAN, status="complete", samples=SAMPLES))
     # One row per trial: a replay replaces what was recorded, the row's creation time stays.
     assert again.created_at == first.created_at and again.status == "complete" and again.failure_reason is None
     assert migrated.outcome(job, 0) == again
@@ -112,29 +117,34 @@ def test_record_outcome_is_idempotent(migrated: Store) -> None:
 def test_non_finite_numbers_are_stored_as_null(migrated: Store) -> None:
     # PostgreSQL's jsonb refuses NaN; both backends must store the same thing.
     job = new_job(migrated)
-    o = migrated.record_outcome(job, 0, plan_yaml=PLAN, status="failed", failure_kind="trial",
-                                failure_reason="NaN loss", samples={"candidate": {"steps_s": [1.0, float("nan")]}},
-                                provenance={"x": float("inf")})
+    o = migrated.record_outcome(job, 0, OutcomeRecord(
+        plan_yaml=PLAN, status="failed", failure_kind="trial", failure_reason="NaN loss",
+        samples={"candidate": {"steps_s": [1.0, float("nan")]}}, provenance={"x": float("inf")}))
     assert o.samples == {"candidate": {"steps_s": [1.0, None]}} and o.provenance == {"x": None}
 
 
 def test_bad_outcome_arguments(migrated: Store) -> None:
     job = new_job(migrated)
     with pytest.raises(ValueError, match="outcome status"):
-        migrated.record_outcome(job, 0, plan_yaml=PLAN, status="done")
+        migrated.record_outcome(job, 0, OutcomeRecord(
+            plan_yaml=PLAN, status="done"))
     with pytest.raises(ValueError, match="failure kind"):
-        migrated.record_outcome(job, 0, plan_yaml=PLAN, status="failed", failure_kind="cosmic")
+        migrated.record_outcome(job, 0, OutcomeRecord(
+            plan_yaml=PLAN, status="failed", failure_kind="cosmic"))
     with pytest.raises(TypeError, match="provenance"):
-        migrated.record_outcome(job, 0, plan_yaml=PLAN, status="complete", provenance={"x": object()})
+        migrated.record_outcome(job, 0, OutcomeRecord(
+            plan_yaml=PLAN, status="complete", provenance={"x": object()}))
     assert migrated.outcome(job, 0) is None  # nothing half-written
 
 
 def test_confirmations_round_trip(migrated: Store) -> None:
     job = new_job(migrated)
-    a = migrated.record_confirmation(job, 4, plan_yaml=PLAN, gain_over="graph", windows=5, gain=0.08, gain_lo=0.07,
-                                     gain_hi=0.09, samples=SAMPLES, provenance={"device_name": "NVIDIA H200"})
-    b = migrated.record_confirmation(job, 7, plan_yaml=PLAN, gain_over="graph", windows=5, gain=0.01, gain_lo=-0.01,
-                                     gain_hi=0.03, samples={}, provenance={})
+    a = migrated.record_confirmation(job, 4, ConfirmationRecord(
+        plan_yaml=PLAN, gain_over="graph", windows=5, gain=0.08, gain_lo=0.07, gain_hi=0.09, samples=SAMPLES,
+        provenance={"device_name": "NVIDIA H200"}))
+    b = migrated.record_confirmation(job, 7, ConfirmationRecord(
+        plan_yaml=PLAN, gain_over="graph", windows=5, gain=0.01, gain_lo=-0.01, gain_hi=0.03, samples={},
+        provenance={}))
     assert isinstance(a, Confirmation) and (a.trial_number, a.gain_lo, a.windows) == (4, 0.07, 5)
     assert migrated.confirmations(job) == [a, b]
 
@@ -216,7 +226,8 @@ def test_concurrent_writers_all_land(migrated: Store, storage_url: str) -> None:
     def worker(i: int) -> None:
         with Store(storage_url) as mine:
             for n in range(i, 40, 2):
-                mine.record_outcome(job, n, plan_yaml=PLAN, status="complete", provenance={"n": n}, node=f"node-{i}")
+                mine.record_outcome(job, n, OutcomeRecord(
+                    plan_yaml=PLAN, status="complete", provenance={"n": n}, node=f"node-{i}"))
 
     _in_threads(2, worker)
     assert all(migrated.outcome(job, n).provenance == {"n": n} for n in range(40))
@@ -225,8 +236,8 @@ def test_concurrent_writers_all_land(migrated: Store, storage_url: str) -> None:
 def test_concurrent_retries_of_one_trial_leave_one_row(migrated: Store) -> None:
     """A trial and its retry racing on one shared store: one row, no integrity error."""
     job = new_job(migrated)
-    _in_threads(4, lambda i: [migrated.record_outcome(job, n, plan_yaml=PLAN, status="complete",
-                                                       provenance={"writer": i}) for n in range(10)])
+    _in_threads(4, lambda i: [migrated.record_outcome(job, n, OutcomeRecord(
+        plan_yaml=PLAN, status="complete", provenance={"writer": i})) for n in range(10)])
     assert all(migrated.outcome(job, n) is not None for n in range(10))
 
 

@@ -14,7 +14,7 @@ import optuna
 import pytest
 
 from erase_tune.runtime import Cut, ErasePlan
-from erase_tune.store import Store
+from erase_tune.store import ConfirmationRecord, QualityRecord, Store
 from erase_tune.tune.views.export import ConfirmSettings, NoConfirmedGain, export_plan
 from erase_tune.tune.search.study import CONSTRAINTS, DIRECTIONS, METRIC_NAMES, Attr, constraint
 from tests.tune.conftest import SMOKE
@@ -39,12 +39,14 @@ def _study(url: str, name: str, confirmed_ne_gap: float) -> None:
     with Store(url) as store:
         store.upgrade()
         job = store.create_job(study_name=name, space_path=str(SMOKE), space_yaml=SMOKE.read_text(), workload="ctr")
-        store.record_confirmation(job, 0, plan_yaml=PLAN.dumps(), gain_over="eager", windows=5, gain=0.30,
-                                  gain_lo=0.25, gain_hi=0.35, samples={}, provenance={})
-        store.record_quality(job, 0, plan_yaml=PLAN.dumps(), steps=250, seeds=3, ne_gap=confirmed_ne_gap,
-                             ne_gap_lo=confirmed_ne_gap - 0.004, ne_gap_hi=confirmed_ne_gap + 0.004,
-                             per_seed=[confirmed_ne_gap - 0.002, confirmed_ne_gap, confirmed_ne_gap + 0.002],
-                             exact=False, band=BAND, provenance={})
+        store.record_confirmation(job, 0, ConfirmationRecord(
+            plan_yaml=PLAN.dumps(), gain_over="eager", windows=5, gain=0.30, gain_lo=0.25, gain_hi=0.35, samples={},
+            provenance={}))
+        store.record_quality(job, 0, QualityRecord(
+            plan_yaml=PLAN.dumps(), steps=250, seeds=3, ne_gap=confirmed_ne_gap, ne_gap_lo=confirmed_ne_gap - 0.004,
+            ne_gap_hi=confirmed_ne_gap + 0.004,
+            per_seed=[confirmed_ne_gap - 0.002, confirmed_ne_gap, confirmed_ne_gap + 0.002], exact=False, band=BAND,
+            provenance={}))
 
 
 def test_a_confirmed_ne_gap_above_the_budget_beyond_the_noise_is_not_exported(storage_url, tmp_path):

@@ -22,7 +22,7 @@ import optuna
 
 from erase_tune.errors import EraseTuneError
 from erase_tune.runtime import ErasePlan
-from erase_tune.store import Confirmation, QualityConfirmation
+from erase_tune.store import Confirmation, ConfirmationRecord, QualityConfirmation, QualityRecord
 from erase_tune.store.storage import Storage
 from erase_tune.tune.execute.task import ConfirmSpec
 from erase_tune.tune.search.study import Attr, FrontPoint, noise_band
@@ -61,11 +61,11 @@ def confirm_front(db: Storage, study: optuna.Study, space_like: Any, executor: A
     for p in points:
         c = res.plans[str(p.number)]
         if job is not None:
-            db.store.record_confirmation(job, p.number, plan_yaml=ErasePlan.from_dict(p.plan).dumps(),
-                                         gain_over=res.gain_over, windows=res.windows, gain=c.gain, gain_lo=c.lo,
-                                         gain_hi=c.hi, samples={k: v for k, v in res.samples.items()
-                                                                if k in ("baseline", str(p.number))},
-                                         provenance={**res.provenance, "is_baseline": c.is_baseline})
+            db.store.record_confirmation(job, p.number, ConfirmationRecord(
+                plan_yaml=ErasePlan.from_dict(p.plan).dumps(), gain_over=res.gain_over, windows=res.windows,
+                gain=c.gain, gain_lo=c.lo, gain_hi=c.hi,
+                samples={k: v for k, v in res.samples.items() if k in ("baseline", str(p.number))},
+                provenance={**res.provenance, "is_baseline": c.is_baseline}))
         out[p.number] = (c.gain, c.lo, c.hi)
     return out
 
@@ -105,10 +105,10 @@ def confirm_quality_front(db: Storage, study: optuna.Study, space_like: Any, exe
     for p in points:
         c = res.plans[str(p.number)]
         if job is not None:
-            out[p.number] = db.store.record_quality(
-                job, p.number, plan_yaml=ErasePlan.from_dict(p.plan).dumps(), steps=res.steps,
-                seeds=len(res.seeds), ne_gap=c.ne_gap, ne_gap_lo=c.lo, ne_gap_hi=c.hi, per_seed=c.per_seed,
-                exact=c.exact, band=band, provenance={**res.provenance, "ne_baseline": list(res.ne_baseline)})
+            out[p.number] = db.store.record_quality(job, p.number, QualityRecord(
+                plan_yaml=ErasePlan.from_dict(p.plan).dumps(), steps=res.steps, seeds=len(res.seeds), ne_gap=c.ne_gap,
+                ne_gap_lo=c.lo, ne_gap_hi=c.hi, per_seed=tuple(c.per_seed), exact=c.exact, band=band,
+                provenance={**res.provenance, "ne_baseline": list(res.ne_baseline)}))
     return out
 
 

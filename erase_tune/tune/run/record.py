@@ -36,7 +36,7 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from erase_tune.store import Job, baseline_key
+from erase_tune.store import Job, OutcomeRecord, baseline_key
 from erase_tune.store.storage import Storage
 from erase_tune.tune.execute.outcome import Failure, TrialOutcome
 from erase_tune.tune.search.space import SearchSpace
@@ -115,8 +115,8 @@ class Recorder:
         if held is not None and held != number:
             rows.append(held)  # the new trial holding the measurement gets its samples and provenance too
         for n in rows:  # a row another party stored for a trial it finished is kept as it is
-            self.storage.store.record_outcome(
-                self.job, n, plan_yaml=plan_key, status="complete" if values is not None else "failed",
+            self.storage.store.record_outcome(self.job, n, OutcomeRecord(
+                plan_yaml=plan_key, status="complete" if values is not None else "failed",
                 failure_kind=None if values is not None else failure.kind,
                 failure_reason=None if values is not None else failure.reason,
                 traceback=None if values is not None else failure.traceback, attempts=attempts,
@@ -124,7 +124,7 @@ class Recorder:
                 samples={k: {"steps_s": list(v.steps_s), "window": list(v.window)} for k, v in result.variants.items()}
                 if result is not None else {},
                 provenance=dict(result.provenance) if result is not None else {"pid": outcome.worker.pid},
-            )
+            ))
         return message
 
     def duplicate(self, trial: optuna.Trial, earlier: FrozenTrial, plan_key: str) -> str:
