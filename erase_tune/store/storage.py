@@ -43,6 +43,11 @@ from erase_tune.store.optuna_storage import RetryingStorage
 from erase_tune.store.repo import Store
 from erase_tune.store.retry import RETRY_ENV, Retrier, StorageLost, cause, retrying
 
+CONSTRAINTS = "constraints"
+"""The system attribute Optuna's samplers read a trial's constraint values from
+(``optuna.samplers._base._CONSTRAINTS_KEY``): ``[ne_gap - (max_ne_gap + band)]``, feasible when
+<= 0 (:func:`erase_tune.tune.search.study.constraint`)."""
+
 __all__ = ["Storage", "StorageLost", "open_storage", "retrying", "RETRY_ENV"]
 
 log = logging.getLogger(__name__)
@@ -78,6 +83,47 @@ class Storage:
     def close(self) -> None:
         self.store.close()
         self.optuna.rdb.engine.dispose()
+
+    # -- what the service does to a study's trials beside Optuna's Study API ------------------
+    # (studies are opened on ``optuna``; these are the storage-level calls the driver makes,
+    # every one retried like any other)
+
+    def study_names(self) -> list[str]:
+        """The studies in this storage, by name."""
+        return [s.study_name for s in self.optuna.get_all_studies()]
+
+    def study_id(self, study_name: str) -> int:
+        """Optuna's id of the study named ``study_name``."""
+        return self.optuna.get_study_id_from_name(study_name)
+
+    def trial_id(self, study_id: int, number: int) -> int:
+        """Optuna's id of trial ``number`` of study ``study_id``."""
+        return self.optuna.get_trial_id_from_study_id_trial_number(study_id, number)
+
+    def trial(self, trial_id: int) -> optuna.trial.FrozenTrial:
+        return self.optuna.get_trial(trial_id)
+
+    def set_user_attr(self, trial_id: int, key: str, value: object) -> None:
+        self.optuna.set_trial_user_attr(trial_id, key, value)
+
+    def set_constraints(self, trial_id: int, values: list[float]) -> None:
+        """The trial's constraint values, where Optuna's multi-objective samplers read them."""
+        self.optuna.set_trial_system_attr(trial_id, CONSTRAINTS, values)
+
+    def heartbeat(self, trial_id: int) -> None:
+        """This driver still runs the trial (see ``open_storage``'s heartbeat settings)."""
+        self.optuna.record_heartbeat(trial_id)
+
+    @property
+    def dashboard_storage(self) -> optuna.storages.BaseStorage:
+        """Optuna's own storage, without erase-tune's retries, for optuna-dashboard's server (a
+        request that fails there fails at once, and the page reloads)."""
+        return self.optuna.rdb
+
+    @property
+    def grace_period(self) -> int | None:
+        """Seconds without a heartbeat after which a trial counts as stale (None: Optuna's default)."""
+        return self.optuna.rdb.grace_period
 
 
 def open_storage(url: str, *, must_exist: bool = False, upgrade: bool = True,

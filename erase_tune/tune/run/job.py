@@ -47,7 +47,7 @@ from erase_tune.errors import EraseTuneError, shown
 from erase_tune.measure.estimate import StepCost, describe_phases, duration, trial_seconds
 from erase_tune.store import default_storage_url
 from erase_tune.store.engine import parse_url
-from erase_tune.store.storage import open_storage
+from erase_tune.store.storage import Storage, open_storage
 from erase_tune.tune.search.checks import check_space
 from erase_tune.tune.search.codec import BoundSpace
 from erase_tune.tune.search.screen import Screen
@@ -265,7 +265,7 @@ class _Job:
     """What every step of a job's set-up works on: its storage, study, space file (absolute),
     trial target and executor."""
 
-    db: Any
+    db: Storage
     name: str
     space_path: str
     target: int
@@ -338,7 +338,7 @@ def _set_deadline(loop: Loop, space: SearchSpace, cost: StepCost | None, deadlin
                                            ne_steps=2 * b.quality_steps)
 
 
-def _mark_stopped(db: Any, name: str, e: BaseException) -> None:
+def _mark_stopped(db: Storage, name: str, e: BaseException) -> None:
     """The job ended by ``e``: interrupted (Ctrl-C, SIGTERM), else failed, with its one line."""
     interrupted = isinstance(e, KeyboardInterrupt)
     try:
@@ -361,7 +361,7 @@ def _check_resumable(study: Any, space: SearchSpace, name: str) -> None:
                              f"{space.gain_over}: use another study name")
 
 
-def _noise_floor(db: Any, space: SearchSpace, name: str, executor: RayExecutor) -> tuple[dict[str, Any] | None, bool]:
+def _noise_floor(db: Storage, space: SearchSpace, name: str, executor: RayExecutor) -> tuple[dict[str, Any] | None, bool]:
     """The study's noise floor (erase_tune.measure.noise): the stored one on resume, else measured now
     on a trial slot (once per study: a driver that finds one stored meanwhile takes that one).
     Returns (floor dict or None when ``noise_repeats`` is 0, whether it was measured here)."""
@@ -390,7 +390,7 @@ def _noise_floor(db: Any, space: SearchSpace, name: str, executor: RayExecutor) 
 
 
 
-def _preflight(db: Any, space: SearchSpace, name: str,
+def _preflight(db: Storage, space: SearchSpace, name: str,
                executor: RayExecutor) -> tuple[SearchSpace, str | None, StepCost | None]:
     """Once per job, on a worker (see the module docstring): the space to run (``whole_step_graph``
     limited to false and the reference off when the step cannot be captured whole), why it
@@ -430,7 +430,7 @@ def _preflight(db: Any, space: SearchSpace, name: str,
                                budget=dataclasses.replace(space.budget, reference=False)), error, cost
 
 
-def _lazy_floor(db: Any, space: SearchSpace, name: str, executor: RayExecutor, loop: Loop) -> float:
+def _lazy_floor(db: Storage, space: SearchSpace, name: str, executor: RayExecutor, loop: Loop) -> float:
     """The noise floor, measured now (the first plan with cuts is about to run) or taken from
     another driver that measured it; stored in the job's tables too. Returns its band."""
     floor, measured_here = _noise_floor(db, space, name, executor)
@@ -519,7 +519,7 @@ def _set_up(job: _Job, space: SearchSpace, checked: BoundSpace, on_progress: Cal
                 executor=executor, target=target, max_failures=max(3, target), on_progress=on_progress)
 
 
-def _run(db: Any, loop: Loop, space: SearchSpace, name: str, executor: RayExecutor,
+def _run(db: Storage, loop: Loop, space: SearchSpace, name: str, executor: RayExecutor,
          confirm_windows: int, cost: StepCost | None = None) -> JobSummary:
     try:
         loop.run()

@@ -231,7 +231,7 @@ class Loop:
     def _propose(self, trial: optuna.Trial) -> _Inflight | str:
         """Turn an asked trial into a plan: a new one to run, or a repeat answered at once.
         Every write here is idempotent, so the storage's retry after a lost connection repeats it safely."""
-        self.storage.optuna.record_heartbeat(self.recorder.trial_id(trial.number))
+        self.storage.heartbeat(self.recorder.trial_id(trial.number))
         plan = self.checked.plan(trial)
         key = plan.dumps()
         trials = self.study.get_trials(deepcopy=False)
@@ -286,11 +286,11 @@ class Loop:
 
         def beat() -> None:
             for inf in self.inflight:
-                self.storage.optuna.record_heartbeat(self.recorder.trial_id(inf.number))
+                self.storage.heartbeat(self.recorder.trial_id(inf.number))
             fail_stale_trials(self.study)
             # A trial asked by a driver that died before its first heartbeat has no heartbeat
             # for Optuna to find stale, and no plan: fail it once it is older than the grace.
-            grace = dt.timedelta(seconds=self.storage.optuna.rdb.grace_period or 2 * HEARTBEAT_S)
+            grace = dt.timedelta(seconds=self.storage.grace_period or 2 * HEARTBEAT_S)
             now = dt.datetime.now()
             for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
                 if Attr.PLAN_KEY not in t.user_attrs and t.datetime_start and now - t.datetime_start > grace:

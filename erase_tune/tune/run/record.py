@@ -57,7 +57,7 @@ class Recorder:
 
     def __init__(self, *, study: optuna.Study, storage: Storage, job: Job, space: SearchSpace) -> None:
         self.study, self.storage, self.job, self.space = study, storage, job, space
-        self._study_id = storage.optuna.get_study_id_from_name(study.study_name)
+        self._study_id = storage.study_id(study.study_name)
         self.band = 0.0
         """The study's noise floor band (erase_tune.measure.noise): gaps within the budget plus it are feasible."""
         self.env: tuple[str, str] | None = None
@@ -67,7 +67,7 @@ class Recorder:
             self.env = (str(latest["device_name"]), str(latest.get("torch")))
 
     def trial_id(self, number: int) -> int:
-        return self.storage.optuna.get_trial_id_from_study_id_trial_number(self._study_id, number)
+        return self.storage.trial_id(self._study_id, number)
 
     def baseline_ne(self) -> float | None:
         """The cached baseline NE for this job's workload, budget and device, if any."""
@@ -134,8 +134,8 @@ class Recorder:
         trial.set_user_attr(Attr.PLAN_KEY, plan_key)
         trial.set_user_attr(Attr.DUPLICATE_OF, earlier.number)
         if earlier.state == TrialState.COMPLETE and earlier.values is not None:
-            self.storage.optuna.set_trial_system_attr(self.trial_id(trial.number), CONSTRAINTS,
-                                                      [self._constraint(earlier.values[1], earlier.user_attrs)])
+            self.storage.set_constraints(self.trial_id(trial.number),
+                                         [self._constraint(earlier.values[1], earlier.user_attrs)])
             self.study.tell(trial, earlier.values)
             return f"trial {trial.number}: same plan as trial {earlier.number}, not run again"
         what = "running" if earlier.state == TrialState.RUNNING else "failed"
@@ -150,16 +150,16 @@ class Recorder:
         that holds this outcome now: ``number``, or, when another party had finished it first (see
         the module docstring; also midway through these writes), the new trial holding the
         measurement, or None (what the other party stored stands alone)."""
-        rdb = self.storage.optuna
+        db = self.storage
         tid = self.trial_id(number)
-        frozen = rdb.get_trial(tid)
+        frozen = db.trial(tid)
         attrs = {k: v for k, v in attrs.items() if v is not None}
         if frozen.state == TrialState.RUNNING:
             try:
                 for key, value in attrs.items():
-                    rdb.set_trial_user_attr(tid, key, value)
+                    db.set_user_attr(tid, key, value)
                 if values is not None:
-                    rdb.set_trial_system_attr(tid, CONSTRAINTS, [self._constraint(values[1], attrs)])
+                    db.set_constraints(tid, [self._constraint(values[1], attrs)])
                     self.study.tell(number, values)
                 else:
                     self.study.tell(number, state=TrialState.FAIL)
@@ -167,7 +167,7 @@ class Recorder:
             except (optuna.exceptions.UpdateFinishedTrialError, ValueError):
                 # ValueError: Optuna's tell() refusing a trial it reads as finished ("Cannot tell a
                 # COMPLETE trial"); anything else leaves the trial RUNNING and is raised.
-                frozen = rdb.get_trial(tid)
+                frozen = db.trial(tid)
                 if not frozen.state.is_finished():
                     raise
         return self._finished_elsewhere(number, frozen, values, attrs)

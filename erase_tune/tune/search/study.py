@@ -21,6 +21,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from erase_tune.errors import EraseTuneError, shown
 from erase_tune.measure.trial import TrialResult
+from erase_tune.store.storage import CONSTRAINTS, Storage
 
 __all__ = ["METRIC_NAMES", "DIRECTIONS", "CONSTRAINTS", "Attr", "SAMPLERS", "make_sampler", "open_study", "load_study",
            "metric_attrs", "objective_values", "flat_attrs", "attr", "FrontPoint", "pareto_front", "measured",
@@ -28,8 +29,6 @@ __all__ = ["METRIC_NAMES", "DIRECTIONS", "CONSTRAINTS", "Attr", "SAMPLERS", "mak
 
 METRIC_NAMES = ("qps_gain", "ne_gap")
 DIRECTIONS = ("maximize", "minimize")
-CONSTRAINTS = "constraints"
-"""System attribute: ``[ne_gap - (max_ne_gap + band)]`` (feasible when <= 0); see :func:`constraint`."""
 SAMPLERS = ("front", "tpe", "nsga2", "gp", "random")
 """``front`` (the default: erase_tune.tune.search.samplers.FrontSampler) and Optuna's TPE, NSGA-II, GP, random."""
 
@@ -244,9 +243,9 @@ def _dominates(a: list[float], b: list[float], band: float) -> bool:
     return no_worse and better
 
 
-def load_study(db: Any, study_name: str | None) -> optuna.Study:
+def load_study(db: Storage, study_name: str | None) -> optuna.Study:
     """An existing study in ``db`` (an opened storage); without a name, the only study there."""
-    names = [s.study_name for s in optuna.get_all_study_summaries(db.optuna, include_best_trial=False)]
+    names = db.study_names()
     if study_name is None:
         if len(names) != 1:
             raise EraseTuneError(f"--study is needed: {db.url} holds {len(names)} studies ({', '.join(names) or 'none'})")

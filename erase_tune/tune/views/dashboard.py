@@ -22,7 +22,7 @@ def serve(storage: str | None, *, host: str = "127.0.0.1", port: int = 8080) -> 
     db = open_storage(storage if storage is not None else default_storage_url(), must_exist=True, upgrade=False)
     print(f"optuna-dashboard for {db.url} on http://{host}:{port}/ (Ctrl-C to stop)", flush=True)
     try:
-        run_server(db.optuna.rdb, host=host, port=port)  # a request fails at once; the page reloads
+        run_server(db.dashboard_storage, host=host, port=port)  # a request fails at once; the page reloads
     except OSError as e:
         raise EraseTuneError(f"dashboard: cannot listen on {host}:{port}: {e.strerror or e}") from None
     finally:

@@ -16,7 +16,7 @@ from optuna.trial import TrialState
 
 from erase_tune.errors import EraseTuneError, shown
 from erase_tune.store import Confirmation, Export, Job, QualityConfirmation, StoredOutcome, default_storage_url
-from erase_tune.store.storage import open_storage
+from erase_tune.store.storage import Storage, open_storage
 from erase_tune.tune.search.screen import FAILED, MEASURED, PHASES, RUNNING, phase_of, screen_line
 from erase_tune.tune.search.study import load_study
 from erase_tune.tune.search.study import Attr, FrontPoint, pareto_front
@@ -202,7 +202,7 @@ def list_jobs(storage: str | None) -> list[Job]:
         db.close()
 
 
-def _job(db: Any, name: str) -> Job | None:
+def _job(db: Storage, name: str) -> Job | None:
     try:
         return db.store.get_job(name)
     except EraseTuneError:  # a bare Optuna study, or a database erase-tune never migrated
