@@ -119,9 +119,11 @@ def _resolve(name: str) -> Callable[..., Any]:
         raise WorkloadError(
             f"workload {shown(name)}: {shown(attr)} is a {type(target).__name__}, not a callable factory"
         )
-    if inspect.isbuiltin(target) or getattr(target, "__module__", None) in ("builtins", "_sitebuiltins"):
+    if module_name == "builtins" or inspect.isbuiltin(target) or \
+            getattr(target, "__module__", None) in ("builtins", "_sitebuiltins"):
         # os:abort, builtins:exit, builtins:print: C functions and the interpreter's own
-        # helpers, which can end the process instead of returning a Workload.
+        # helpers, which can end the process instead of returning a Workload (by the module's
+        # name too: a library may have replaced builtins.print by a Python function, as Ray does).
         raise WorkloadError(f"workload {shown(name)}: {shown(attr)} is built into Python ({type(target).__name__}), "
                             "not a workload factory (a Python function returning erase_tune.workloads.Workload)")
     return target

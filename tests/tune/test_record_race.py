@@ -108,13 +108,22 @@ def test_a_trial_finished_by_another_driver_midway_is_recorded_once(storage_url,
 
         monkeypatch.setattr(db.optuna, point, interleaved)
         caplog.set_level(logging.WARNING, logger="erase_tune.tune.run.record")
-        rec.record(n, key, out, 1)  # must not raise UpdateFinishedTrialError
+        # On the recorder's logger itself: an earlier CLI test in this process may have stopped
+        # erase-tune's loggers from propagating to the root logger, where caplog listens.
+        logger = logging.getLogger("erase_tune.tune.run.record")
+        logger.addHandler(caplog.handler)
+        try:
+            rec.record(n, key, out, 1)  # must not raise UpdateFinishedTrialError
+        finally:
+            logger.removeHandler(caplog.handler)
         assert "stored" in seen, f"the driver never called {point}: the interleaving did not happen"
         monkeypatch.undo()
 
         stored = seen["stored"]
         assert stored[0] == (TrialState.FAIL if party == "stale" or outcome == "failed" else TrialState.COMPLETE)
-        lines = [r.getMessage() for r in caplog.records if r.name == "erase_tune.tune.run.record"]
+        # (each record once: it reaches caplog through the recorder's logger and, when that
+        # propagates, through the root logger too)
+        lines = list({id(r): r.getMessage() for r in caplog.records if r.name == "erase_tune.tune.run.record"}.values())
         assert len(lines) == 1 and f"trial {n} " in lines[0], lines
 
         for again in range(2):  # the driver's own journal entry replayed later: still once

@@ -218,6 +218,9 @@ def start_job(
     they were made (:class:`JobSpec`, :class:`Where`, :class:`Patience`). ``driver``: what the job
     asks of the process it runs in (``erase-tune start`` changes the process there)."""
     began = time.monotonic()
+    # Absolute, and now, before Ray starts: export re-reads the space's relative py_modules against
+    # its directory, from anywhere; and a Ray job's working directory may be gone once Ray has started.
+    space_abspath = os.path.abspath(space_path)
     space = with_quality(SearchSpace.load(space_path), what.quality_scale, what.quality_seeds)
     module = module_of(space.workload)
     name = _study_name(what, space_path)
@@ -238,9 +241,7 @@ def start_job(
         executor.wait_ready()
         db = open_storage(url, heartbeat_interval=HEARTBEAT_S, grace_period=patience.grace_period_s)
         try:
-            # Absolute, and now: export re-reads the space's relative py_modules against its directory,
-            # from anywhere; and a Ray job's working directory may be gone once Ray has started.
-            job = _Job(db=db, name=name, space_path=os.path.abspath(space_path), target=target, executor=executor)
+            job = _Job(db=db, name=name, space_path=space_abspath, target=target, executor=executor)
             _create_job(job, space)
             # The first line of a job that runs (a refusal before this point is its one error line).
             log.info("workload %s: code from module %s runs here and on the workers (a space file is trusted like "
