@@ -129,45 +129,37 @@ class JobShape:
 def job_phases(cost: StepCost, trial: TrialShape, job: JobShape) -> list[Phase]:
     """The phases of a job (module docstring)."""
     t, j = trial, job
-    warmup_steps, window_steps, quality_steps, training_steps = (t.warmup_steps, t.window_steps, t.quality_steps,
-                                                                 t.training_steps)
-    may_detach, screen_plans, search_trials = t.may_detach, j.screen_plans, j.search_trials
-    noise_runs, confirm_plans, quality_runs = j.noise_runs, j.confirm_plans, j.quality_runs
-    confirm_min_windows, confirm_max_windows = j.confirm_min_windows, j.confirm_max_windows
-    exact_variants = 2 + int(t.reference)
-    cut_variants = exact_variants + 1  # the detach-only twin
-    ne = 2 * quality_steps  # candidate and, at worst, the baseline
+    variants = 2 + int(t.reference)  # baseline, candidate (and the graph reference)
+    most = variants + 1 if t.may_detach else variants  # a cut adds the detach-only twin ...
+    ne = 2 * t.quality_steps if t.may_detach else 0  # ... and NE training: candidate and, at worst, the baseline
 
-    def trials(n: int, variants_low: int, variants_high: int, ne_high: int) -> tuple[float, float]:
-        low = n * trial_seconds(cost, variants=variants_low, warmup_steps=warmup_steps, window_steps=window_steps,
-                                windows=t.min_windows)
-        high = n * trial_seconds(cost, variants=variants_high, warmup_steps=warmup_steps,
-                                 window_steps=window_steps, windows=t.max_windows, ne_steps=ne_high)
-        return low, high
+    def window_steps(windows: int) -> int:
+        return t.warmup_steps + windows * t.window_steps
+
+    def training() -> float:
+        return cost.build_s + t.training_steps * cost.step_s
 
     phases = []
-    if screen_plans:
-        low, high = trials(screen_plans, exact_variants, cut_variants if may_detach else exact_variants,
-                           ne if may_detach else 0)
-        phases.append(Phase(name="screen", what=f"{screen_plans} plans", low_s=low, high_s=high))
-    if search_trials:
-        low, high = trials(search_trials, exact_variants, cut_variants if may_detach else exact_variants,
-                           ne if may_detach else 0)
-        phases.append(Phase(name="search", what=f"{search_trials} trials", low_s=low, high_s=high))
-    if may_detach and noise_runs:
-        s = noise_runs * (cost.build_s + training_steps * cost.step_s)
-        phases.append(Phase(name="noise floor", what=f"{noise_runs} trainings (when the first cut is proposed)",
+    for name, n, what in (("screen", j.screen_plans, "plans"), ("search", j.search_trials, "trials")):
+        if n:
+            low = n * trial_seconds(cost, variants=variants, warmup_steps=t.warmup_steps,
+                                    window_steps=t.window_steps, windows=t.min_windows)
+            high = n * trial_seconds(cost, variants=most, warmup_steps=t.warmup_steps, window_steps=t.window_steps,
+                                     windows=t.max_windows, ne_steps=ne)
+            phases.append(Phase(name=name, what=f"{n} {what}", low_s=low, high_s=high))
+    if t.may_detach and j.noise_runs:
+        s = j.noise_runs * training()
+        phases.append(Phase(name="noise floor", what=f"{j.noise_runs} trainings (when the first cut is proposed)",
                             low_s=s, high_s=s))
-    if confirm_plans:
-        runners = confirm_plans + 1
-        low = runners * (cost.build_s + (warmup_steps + confirm_min_windows * window_steps) * cost.step_s)
-        high = runners * (cost.build_s + (warmup_steps + confirm_max_windows * window_steps) * cost.step_s)
-        phases.append(Phase(name="confirmation", what=f"{confirm_plans} plans, {confirm_min_windows}.."
-                                                      f"{confirm_max_windows} windows", low_s=low, high_s=high))
-        if may_detach and quality_runs:
-            s = quality_runs * (cost.build_s + training_steps * cost.step_s)
-            phases.append(Phase(name="quality", what=f"up to {quality_runs} trainings (plans with cuts only)",
-                                low_s=0.0, high_s=s))
+    if j.confirm_plans:
+        runners = j.confirm_plans + 1
+        low = runners * (cost.build_s + window_steps(j.confirm_min_windows) * cost.step_s)
+        high = runners * (cost.build_s + window_steps(j.confirm_max_windows) * cost.step_s)
+        phases.append(Phase(name="confirmation", what=f"{j.confirm_plans} plans, {j.confirm_min_windows}.."
+                                                      f"{j.confirm_max_windows} windows", low_s=low, high_s=high))
+        if t.may_detach and j.quality_runs:
+            phases.append(Phase(name="quality", what=f"up to {j.quality_runs} trainings (plans with cuts only)",
+                                low_s=0.0, high_s=j.quality_runs * training()))
     phases.append(Phase(name="export", what="the confirmed plan, written", low_s=0.0, high_s=0.0))
     return phases
 
