@@ -49,6 +49,15 @@ class SeededRandom:
         cuda = torch.Generator(device=device).manual_seed(seed).get_state() if device.type == "cuda" else None
         self._state: GlobalState = (cpu, cuda)
 
+    @property
+    def state(self) -> GlobalState:
+        """Where this run's sequence stands (to start another run at the same draw)."""
+        return self._state
+
+    @state.setter
+    def state(self, value: GlobalState) -> None:
+        self._state = value
+
     @contextlib.contextmanager
     def drawing(self) -> Iterator[None]:
         outside = global_state(self.device)

@@ -16,9 +16,9 @@ Quality is held-out NE of baseline and candidate after the same ``budget.trainin
 (the quality phase trains on where the timing stopped); the NE gap is
 ``(NE_cand - NE_base) / NE_base``. A plan that changes no gradient (:func:`exact_by_construction`:
 placements, graphed pieces, the whole-step graph, the empty plan) pays for speed only: its
-gradients after the last warm-up step are compared with the baseline's (same step, same batch;
-the warm-up covers graph capture and a replay), and when they agree (:func:`gradient_difference`)
-it is recorded exact, NE gap 0, and trained no further. One that disagrees is measured for NE
+gradients of one step after the warm-up (which covers graph capture and a replay) are compared
+with the baseline's, both taking that step from the same weights on the same batch, and when
+they agree (:func:`gradient_difference`) it is recorded exact, NE gap 0, and trained no further. One that disagrees is measured for NE
 like a plan with cuts.
 
 With ``process_group`` (a trial of k ranks): every rank runs the same protocol, every variant
@@ -425,7 +425,8 @@ def run_trial(
     finally:
         release(variants.values(), device)
         variants.clear()
-    trained = budget.training_steps if not exact else measured.next_steps["candidate"]
+    # (an exact plan: what the timing ran, and the check's one step)
+    trained = budget.training_steps if not exact else measured.next_steps["candidate"] + 1
     return TrialResult(
         workload=workload.name, plan=plan, batch_size=workload.batch_size * world, exact=exact, exact_diff=check.diff,
         reference_error=ref_error, **_measured_fields(measured, plans, workload.batch_size * world),
@@ -522,10 +523,17 @@ def _variant_plans(plan: ErasePlan, budget: Budget, reference: bool,
 
 
 class _ExactnessCheck:
-    """After the warm-up: the candidate's gradients of the last warm-up step against the
-    baseline's. Where they differ beyond the dtype's tolerance, a twin of the baseline is
-    trained through the same warm-up, and the candidate may differ from the baseline as far
-    as the baseline differs from itself (a backward with atomics is not deterministic).
+    """After the warm-up (graphs captured and replayed): one more step of the baseline and the
+    candidate from the same weights, and that step's gradients compared.
+
+    The candidate's parameters and buffers are set (in place: captured graphs keep their
+    addresses) to the baseline's, then both take the next step on the same batch, each drawing
+    its own random numbers (a plan that shifts the dropout masks differs here). Eight steps of
+    training apart, two runs of one plan already differ by percents where a backward is not
+    deterministic; from the same weights they differ only by rounding. Where the gradients
+    differ beyond the dtype's tolerance, a twin of the baseline takes the same step from the
+    same weights and random state, and the candidate may differ from the baseline as far as the
+    baseline differs from itself (a backward with atomics). Both runs then train on from there.
     ``diff`` and ``ok`` are None until it ran."""
 
     def __init__(self, workload: Workload, budget: Budget, init: torch.nn.Module, data: WorkloadData,
@@ -536,28 +544,55 @@ class _ExactnessCheck:
         self.ok: bool | None = None
 
     def __call__(self) -> None:
-        cand, base = self.variants["candidate"].engine.model, self.variants["baseline"].engine.model
+        base_v, cand_v = self.variants["baseline"], self.variants["candidate"]
+        cand, base = cand_v.engine.model, base_v.engine.model
+        step = self.budget.warmup_steps  # the check step's batch: the one after the warm-up
+        start = _weights(base)
+        random_state = base_v.random.state if base_v.random is not None else None
+        _load_weights(cand, start)
+        base_v(step)
+        cand_v(step)
         diff, ok = gradient_difference(cand, base)
         if not ok and self.process_group is None:  # (several ranks would have to agree to build the twin)
-            noise = self._baseline_noise(base)
+            noise = self._baseline_noise(base, start, random_state, step)
             if noise is not None:
                 diff, ok = gradient_difference(cand, base, noise)
         if self.process_group is not None:  # every rank decides the same (rank-local kernels may differ)
             diff, ok = _agree_worst(diff, ok, self.device, self.process_group)
         self.diff, self.ok = diff, ok
 
-    def _baseline_noise(self, base: torch.nn.Module) -> list[float] | None:
-        """Per parameter, how far a twin of the baseline trained through the same warm-up is from it."""
+    def _baseline_noise(self, base: torch.nn.Module, start: list[torch.Tensor], random_state: Any,
+                        step: int) -> list[float] | None:
+        """Per parameter, how far a twin of the baseline, taking the check step from the same
+        weights and random state, is from it."""
+        random = SeededRandom(self.device, self.budget.seed)
+        if random_state is not None:
+            random.state = random_state
         twin = Variant(plan=ErasePlan(), engine=build_engine(self.workload, ErasePlan(), self.init, self.data,
-                                                             self.device),
-                       data=self.data, random=SeededRandom(self.device, self.budget.seed))  # the baseline's masks
+                                                             self.device), data=self.data, random=random)
         try:
-            for step in range(self.budget.warmup_steps):
-                twin(step)
+            _load_weights(twin.engine.model, start)
+            twin(step)
             noise = gradient_differences(twin.engine.model, base, norm="l2")
             return None if noise is None else [n for n, _ in noise]
         finally:
             release([twin], self.device)
+
+
+def _weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    """A copy of ``model``'s parameters and buffers, in registration order."""
+    with torch.no_grad():
+        return [t.detach().clone() for t in (*model.parameters(), *model.buffers())]
+
+
+def _load_weights(model: torch.nn.Module, weights: Sequence[torch.Tensor]) -> None:
+    """``weights`` (from :func:`_weights` of the same model under another plan) copied in place."""
+    own = [*model.parameters(), *model.buffers()]
+    if len(own) != len(weights) or any(a.shape != b.shape for a, b in zip(own, weights)):
+        return  # not the same model: the gradient comparison says so
+    with torch.no_grad():
+        for a, b in zip(own, weights):
+            a.copy_(b)
 
 
 def _train_for_quality(workload: Workload, variants: Mapping[str, Variant], measured: ProtocolResult,

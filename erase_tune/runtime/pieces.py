@@ -449,8 +449,12 @@ class GraphedRunner(_Piece):
         try:
             sample = tuple(a.detach().clone().requires_grad_(a.requires_grad) for a in args)
             piece = _Chain(self.modules, self.forwards)
+            # Its warm-up runs draw from the device's generator: put it back, so the replays draw
+            # the random numbers (dropout masks) the eager piece would have drawn here.
+            drawn = torch.cuda.get_rng_state(host.device)
             with _capture_stream(self.stream):
                 self.replayed = torch.cuda.make_graphed_callables(piece, sample, allow_unused_input=True)
+            torch.cuda.set_rng_state(drawn, host.device)
         except (RuntimeError, AssertionError, torch.cuda.CudaError) as e:  # type: ignore[attr-defined]
             raise CaptureError(f"graphed piece {shown(self.graphed.name)}: CUDA graph capture failed: "
                                f"{one_line(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)}"

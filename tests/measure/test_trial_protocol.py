@@ -125,10 +125,13 @@ def test_a_plan_that_changes_no_gradient_is_verified_exact_and_not_trained_for_n
     assert result.exact and result.exact_diff == 0.0  # the same kernels in the same order on the CPU: bitwise
     assert result.ne_gap == 0.0 and result.ne_baseline is None and result.ne_candidate is None
     assert ne_calls == []  # no held-out NE of either variant
-    timed = budget.warmup_steps + result.windows * budget.window_steps
-    # Every variant trained what the timing ran, no quality steps:
-    assert all(lists == [list(range(timed))] * len(lists) for lists in trained().values())
-    assert result.provenance["training_steps"] == timed < budget.training_steps
+    w = budget.warmup_steps
+    timed = w + result.windows * budget.window_steps
+    # Both trained what the timing ran and the check's one step after the warm-up (on the next
+    # batch, from the same weights), no quality steps:
+    checked = list(range(w)) + [w] + list(range(w, timed))
+    assert all(lists == [checked] * len(lists) for lists in trained().values())
+    assert result.provenance["training_steps"] == timed + 1 < budget.training_steps
     json.dumps(result.to_dict(), allow_nan=False)
     cached = run_trial(workload(), plan, budget, device="cpu", baseline_ne=0.75)
     assert cached.exact and cached.ne_baseline == cached.ne_candidate == 0.75 and cached.ne_gap == 0.0
@@ -273,6 +276,10 @@ def test_on_cuda_graphs_and_placements_are_verified_exact(plan, ne_calls):
     assert result.gain_vs_reference_interval is not None  # the graph reference ran beside it
 
 
+TINY_DEEPFM = {"batch": 64, "num_fields": 4, "rows": 50, "emb_dim": 4, "mlp": "16-16", "dropout": 0.3,
+               "train_batches": 16, "eval_batches": 2}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("plan", [
     ErasePlan(whole_step_graph=True),
@@ -280,10 +287,15 @@ def test_on_cuda_graphs_and_placements_are_verified_exact(plan, ne_calls):
     ErasePlan(placements=(Placement(module="bottom", stream=1),), num_streams=1),
 ], ids=["whole-step-graph", "graphed", "placement"])
 def test_on_cuda_under_dropout_graphs_and_placements_draw_the_baselines_masks(plan, ne_calls):
-    """Not run yet (written without a GPU): with dropout in the graphed or placed tower, a CUDA
-    graph's replays and a side stream draw the same masks as the eager baseline (each variant
-    its own copy of one seed's generator state), so the plan is verified exact."""
-    result = run_trial(_with_dropout(), plan, BUDGET, device="cuda")
+    """With dropout in the graphed or placed tower, a CUDA graph's replays (its capture's warm-up
+    runs leave the generator where they found it) and a side stream draw the same masks as the
+    eager baseline (each variant its own copy of one seed's generator state), so the plan is
+    verified exact. The whole step is captured on DeepFM with dropout in its MLP (the tiny
+    ranking model's step cannot be captured whole)."""
+    from erase_tune.workloads import get_workload
+
+    wl = get_workload("deepfm", TINY_DEEPFM) if plan.whole_step_graph else _with_dropout()
+    result = run_trial(wl, plan, BUDGET, device="cuda")
     assert result.exact and ne_calls == [] and result.ne_gap == 0.0, result.exact_diff
 
 
