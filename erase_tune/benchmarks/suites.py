@@ -295,9 +295,9 @@ SUITE_LIST: list[Suite] = [
     Suite("s3", "CPU-only work owed on the GPU: dropout masks under graphs and side streams, bench skipping a row "
                 "that cannot be captured, check --space on CUDA",
           ("(owed checks, no figure yet: GPU tests of 2026-12-04)",),
-          seq(Step("gputests", 120, "0", pytest("-q", "-m", "gpu", "tests/measure/test_trial_protocol.py",
-                                                "tests/test_bench_rows.py", "tests/tune/test_check_space.py",
-                                                "-p", "no:cacheprovider")),
+          seq(Step("gputests", 200, "0", pytest("-q", "-m", "gpu", "tests/measure", "tests/runtime",
+                                                "tests/test_reference_gpu.py", "tests/test_bench_rows.py",
+                                                "tests/tune/test_check_space.py", "-p", "no:cacheprovider")),
               Step("dlrm_check", 120, "0", et("check", "--space", "search_spaces/dlrm.yaml")),
               Step("deepfm_dropout_bench", 200, "0", et("bench", "--workload", "deepfm", "--arg", "dropout=0.2",
                                                         "--device", "cuda")))),
