@@ -272,11 +272,12 @@ def cmd_export(ns: argparse.Namespace) -> int:
         print(f"confirmed gain {c.gain:+.2%} [95% interval {c.gain_lo:+.2%}, {c.gain_hi:+.2%}] over {c.windows} windows"
               + ("" if c.gain_lo > 0 else "  (NOT a confirmed gain: written because of --force)"))
     q = done.plan.provenance
-    if "confirmed_ne_gap" in q:
+    if q.get("exact"):
+        print("NE gap 0: exact (its gradients were checked equal to the baseline's; not trained for NE)")
+    elif "confirmed_ne_gap" in q:
         print(f"confirmed NE gap {q['confirmed_ne_gap']:+.2%} [95% interval {q['confirmed_ne_gap_lo']:+.2%}, "
               f"{q['confirmed_ne_gap_hi']:+.2%}] over {q['confirmed_ne_seeds']} seeds of {q['confirmed_ne_steps']} "
-              f"steps; noise floor ±{q['ne_noise_band']:.2%}" + ("  (no cuts: exact by construction)" if q.get("exact")
-                                                                else "" if q.get("quality_confirmed") else
+              f"steps; noise floor ±{q['ne_noise_band']:.2%}" + ("" if q.get("quality_confirmed") else
                                                                 "  (ABOVE the NE budget beyond the noise: written "
                                                                 "because of --force)"))
     print(f"plan: {done.plan.describe()}")

@@ -546,8 +546,9 @@ def _run(db: Storage, loop: Loop, space: SearchSpace, name: str, executor: RayEx
             loop.study.set_user_attr(Attr.QUALITY_LEFT_OUT, True)
         else:
             try:
-                quality = {n: (q.ne_gap, q.ne_gap_lo, q.ne_gap_hi)
-                           for n, q in confirm_quality_front(db, loop.study, space, executor, proven).items()}
+                quality = {n: (q.ne_gap, q.ne_gap_lo, q.ne_gap_hi)  # (exact plans were not trained)
+                           for n, q in confirm_quality_front(db, loop.study, space, executor, proven).items()
+                           if not q.exact}
             except EraseTuneError as e:  # the trials are stored: export confirms quality again
                 log.warning("%s (export will try again)", e)
         job = db.store.get_job(name)
