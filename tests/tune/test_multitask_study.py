@@ -33,3 +33,8 @@ def test_a_two_task_study_reports_each_tasks_ne_gap(ray_cluster, tmp_path, capsy
             assert attrs["ne_gap.click"] == attrs["ne_gap.conversion"] == 0.0
     cut = [t for t in measured if not t.user_attrs["exact"]]
     assert cut and all(t.values[1] == t.user_attrs[f"ne_gap.{main_task}"] for t in cut)
+    # status shows each task's gap under each front row
+    capsys.readouterr()
+    assert run_cli("status", "--study", "mt", "--storage", url) == 0
+    shown = capsys.readouterr().out
+    assert "NE gap by task: click " in shown and ", conversion " in shown, shown

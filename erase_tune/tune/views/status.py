@@ -95,6 +95,9 @@ class JobStatus:
             lines.append(f"  {p.number:>5} {p.qps_gain:>+9.2%} {interval:>24} {gap:>9} {_pct(p.gain_vs_eager):>9} "
                          f"{_pct(p.gain_vs_graph):>9} {_pct(p.gain_detach_only):>11} {shown:>24} {qshown:>24}  "
                          f"{phase_of(p.user_attrs):<13} {p.user_attrs.get(Attr.PLAN_SUMMARY, '')}")
+            by_task = _task_gaps(p.user_attrs)
+            if by_task:
+                lines.append(f"  {'':>5} NE gap by task: {by_task}")
         if not rows:
             lines.append("  (no measured trials yet)")
         for number, kind, reason in self.failures[-5:]:
@@ -139,6 +142,16 @@ class TrialDetail:
 
 _STATES = {"COMPLETE": MEASURED, "RUNNING": RUNNING, "FAIL": FAILED}
 """Optuna's states as the screen's line counts them (a repeat is none of these)."""
+
+
+def _task_gaps(attrs: dict[str, Any]) -> str:
+    """A multi-task trial's NE gap per task (its ``ne_gap.<task>`` attributes), or ''."""
+    gaps = {k.split(".", 1)[1]: v for k, v in sorted(attrs.items()) if k.startswith("ne_gap.")}
+    if not gaps:
+        return ""
+    exact = bool(attrs.get(Attr.EXACT))
+    return ", ".join(f"{task} {'exact' if exact else '-' if not isinstance(g, (int, float)) else format(g, '+.2%')}"
+                     for task, g in gaps.items())
 
 
 def _pct(x: float | None) -> str:
