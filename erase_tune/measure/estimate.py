@@ -28,7 +28,7 @@ from erase_tune.runtime.device import resolve_device
 from erase_tune.workloads import Workload
 
 __all__ = ["StepCost", "Phase", "TrialShape", "JobShape", "measure_step", "trial_seconds", "job_phases",
-           "describe_phases", "duration"]
+           "describe_phases", "duration", "phase_limit", "PHASE_LIMIT_FACTOR", "PHASE_LIMIT_FLOOR_S"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -162,6 +162,22 @@ def job_phases(cost: StepCost, trial: TrialShape, job: JobShape) -> list[Phase]:
                                 low_s=0.0, high_s=j.quality_runs * training()))
     phases.append(Phase(name="export", what="the confirmed plan, written", low_s=0.0, high_s=0.0))
     return phases
+
+
+PHASE_LIMIT_FACTOR = 4.0
+"""A phase whose duration is estimated is stopped after this many times the estimate ..."""
+PHASE_LIMIT_FLOOR_S = 300.0
+"""... and never sooner than this (a worker's start and the model's build vary more than steps do)."""
+
+
+def phase_limit(expected_s: float | None, safety_s: float) -> float:
+    """How long a phase (a confirmation, the noise floor) may run before it is stopped: a few
+    times what it is expected to take from the measured step, never more than ``safety_s`` (the
+    space's per-trial timeout times the runs, the limit when nothing is estimated). A job of
+    minutes announces minutes, not the hours its timeouts add up to."""
+    if expected_s is None or not expected_s > 0:
+        return safety_s
+    return min(safety_s, max(PHASE_LIMIT_FLOOR_S, PHASE_LIMIT_FACTOR * expected_s))
 
 
 def duration(seconds: float) -> str:

@@ -425,8 +425,7 @@ def run_trial(
     finally:
         release(variants.values(), device)
         variants.clear()
-    # (an exact plan: what the timing ran, and the check's one step)
-    trained = budget.training_steps if not exact else measured.next_steps["candidate"] + 1
+    trained = budget.training_steps if not exact else measured.next_steps["candidate"] + 1  # (+ the check's step)
     return TrialResult(
         workload=workload.name, plan=plan, batch_size=workload.batch_size * world, exact=exact, exact_diff=check.diff,
         reference_error=ref_error, **_measured_fields(measured, plans, workload.batch_size * world),

@@ -12,6 +12,7 @@ import time
 import optuna
 import pytest
 
+from erase_tune.measure.estimate import PHASE_LIMIT_FACTOR, PHASE_LIMIT_FLOOR_S, phase_limit
 from erase_tune.store import Store
 from erase_tune.tune.run.job import JobSpec, Where, start_job
 from erase_tune.tune.search.study import Attr, measured
@@ -64,7 +65,8 @@ def test_an_exact_only_space_measures_no_noise_floor_and_trains_nothing_for_ne(r
     assert Attr.NOISE_FLOOR not in study.user_attrs
     trials = measured(study)
     # Every plan is exact (placements only), checked against the baseline's gradients: NE gap 0,
-    # and no step was spent training for NE (the trial trained only its warm-up and its windows).
+    # and no step was spent training for NE (the trial trained only its warm-up, its windows and
+    # the exactness check's one step).
     assert all(t.user_attrs[Attr.EXACT] is True and t.values[1] == 0.0 for t in trials)
     with Store(url) as store:
         job = store.get_job("exact")
@@ -72,7 +74,7 @@ def test_an_exact_only_space_measures_no_noise_floor_and_trains_nothing_for_ne(r
             row = store.outcome(job, t.number)
             budget = row.provenance["budget"]
             assert row.provenance["training_steps"] <= budget["warmup_steps"] + budget["max_windows"] * budget[
-                "window_steps"]
+                "window_steps"] + 1
     # The estimate came before trial 0, from a measured step.
     first_trial = text.index("trial 0:")
     assert text.index("estimate: screen (") < first_trial and "from a measured step of" in text
@@ -90,6 +92,18 @@ def test_a_space_that_can_cut_measures_its_noise_floor_only_when_a_cut_runs(ray_
     assert text.index(f"trial {first_cut - 1}:") < text.index("noise floor: training the baseline") \
         < text.index(f"trial {first_cut}:")
     assert Attr.NOISE_FLOOR in study.user_attrs
+    # Its limit comes from its estimate (a few times it, at least five minutes), not from the
+    # space's per-trial timeout times the runs (an hour here).
+    said = re.search(r"measuring the NE gap's noise floor on one trial slot: about (\S+), stopped after (\S+) at most",
+                     text)
+    assert said and said.group(2) == "5m00s", text
+
+
+def test_a_phase_is_stopped_after_a_few_times_its_estimate():
+    assert phase_limit(None, 3600.0) == 3600.0  # nothing estimated: the safety limit
+    assert phase_limit(10.0, 3600.0) == PHASE_LIMIT_FLOOR_S  # never sooner than the floor
+    assert phase_limit(200.0, 3600.0) == PHASE_LIMIT_FACTOR * 200.0
+    assert phase_limit(2000.0, 3600.0) == 3600.0  # never later than the safety limit
 
 
 def test_the_time_budget_ends_the_job_on_time_and_keeps_what_was_measured(ray_cluster, tmp_path, capsys):

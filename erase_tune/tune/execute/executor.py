@@ -23,6 +23,7 @@ from typing import Any
 
 from erase_tune._env import UPLOAD_ENV, env_mebibytes, env_text
 from erase_tune.errors import EraseTuneError, first_line, shown
+from erase_tune.measure.estimate import duration, phase_limit
 from erase_tune.tune.execute.outcome import ConfirmOutcome, Failure, TrialOutcome
 from erase_tune.tune.execute.task import ConfirmSpec, ReferenceOutcome, ReferenceSpec, TrialSpec
 from erase_tune.tune.execute.actors import WorkerGroup
@@ -229,24 +230,28 @@ class RayExecutor:
         for a in handle.group.actors:
             self._ray.kill(a, no_restart=True)
 
-    def confirm(self, spec: ConfirmSpec, timeout: float, attempts: int = 3) -> ConfirmOutcome:
-        """Run a confirmation on a free slot and wait for it (at most ``timeout`` seconds per
-        attempt); a worker or node lost meanwhile is an infrastructure failure, retried on a
-        fresh slot like a trial's."""
+    def confirm(self, spec: ConfirmSpec, timeout: float, attempts: int = 3,
+                expected_s: float | None = None) -> ConfirmOutcome:
+        """Run a confirmation on a free slot and wait for it (per attempt, at most ``timeout``
+        seconds, or :func:`~erase_tune.measure.estimate.phase_limit` of ``expected_s``, what it
+        should take, when that is shorter); a worker or node lost meanwhile is an infrastructure
+        failure, retried on a fresh slot like a trial's."""
         outcome = ConfirmOutcome(failure=Failure(kind="infra", reason="no attempt made"))
+        limit = phase_limit(expected_s, timeout)
         for _ in range(attempts):
-            outcome = self._confirm_once(spec, timeout)
+            outcome = self._confirm_once(spec, limit, expected_s)
             if outcome.failure is None or outcome.failure.kind != "infra":
                 break
         return outcome
 
-    def _confirm_once(self, spec: ConfirmSpec, timeout: float) -> ConfirmOutcome:
+    def _confirm_once(self, spec: ConfirmSpec, timeout: float, expected_s: float | None) -> ConfirmOutcome:
         deadline = time.monotonic() + timeout
         what = {"speed": f"re-timing {len(spec.plans)} front plan(s) over {spec.windows} windows",
                 "quality": f"training {len(spec.plans)} front plan(s) longer for their NE gap",
                 "noise": "measuring the NE gap's noise floor"}.get(spec.task, spec.task)
-        log.info(f"{what} on one trial slot: at most {timeout:.0f}s; Ctrl-C stops (nothing is stored for an "
-                 "unfinished confirmation)")
+        about = f"about {duration(expected_s)}, " if expected_s else ""
+        log.info(f"{what} on one trial slot: {about}stopped after {duration(timeout)} at most; Ctrl-C stops (nothing "
+                 "is stored for an unfinished confirmation)")
         while not self.idle():
             if time.monotonic() > deadline:
                 return ConfirmOutcome(failure=Failure(kind="infra", reason="no free trial slot for the confirmation"))

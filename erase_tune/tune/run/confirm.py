@@ -43,9 +43,11 @@ PICKS = ("max-gain", "knee")
 
 
 def confirm_front(db: Storage, study: optuna.Study, space_like: Any, executor: Any, front: list[FrontPoint], *,
-                  windows: int, max_windows: int = CONFIRM_MAX_WINDOWS) -> dict[int, tuple[float, float, float]]:
+                  windows: int, max_windows: int = CONFIRM_MAX_WINDOWS,
+                  expected_s: float | None = None) -> dict[int, tuple[float, float, float]]:
     """Re-measure the best ``MAX_CONFIRMED`` front plans on ``executor`` (at least ``windows``
-    windows, at most ``max_windows``) and store the results."""
+    windows, at most ``max_windows``; ``expected_s``: what that should take, when known) and
+    store the results."""
     job = db.store.get_job(study.study_name)
     points = front[:MAX_CONFIRMED]
     wl = study.user_attrs[Attr.WORKLOAD]
@@ -53,7 +55,7 @@ def confirm_front(db: Storage, study: optuna.Study, space_like: Any, executor: A
     spec = ConfirmSpec(workload=wl["name"], workload_args=wl["args"], plans={str(p.number): p.plan for p in points},
                        budget=budget, windows=windows, gain_over=study.user_attrs.get(Attr.GAIN_OVER, "eager"),
                        max_windows=max(windows, max_windows), halfwidth=CONFIRM_HALFWIDTH)
-    outcome = executor.confirm(spec, timeout=float(space_like.timeout_s) * 2)
+    outcome = executor.confirm(spec, timeout=float(space_like.timeout_s) * 2, expected_s=expected_s)
     if outcome.result is None:
         raise EraseTuneError(f"confirmation of the front failed: {outcome.failure.reason}")
     res = outcome.result
@@ -80,7 +82,7 @@ def with_quality(space: Any, scale: int | None, seeds: int | None) -> Any:
 
 
 def confirm_quality_front(db: Storage, study: optuna.Study, space_like: Any, executor: Any,
-                          front: list[FrontPoint]) -> dict[int, QualityConfirmation]:
+                          front: list[FrontPoint], expected_s: float | None = None) -> dict[int, QualityConfirmation]:
     """Train the first ``MAX_CONFIRMED`` of ``front`` (the plans that could be exported: their
     gain is confirmed) longer over several seeds (erase_tune.measure.noise.confirm_quality, the space's
     ``budget.quality_scale`` and ``quality_seeds``) and store the NE gaps with their intervals;
@@ -97,7 +99,7 @@ def confirm_quality_front(db: Storage, study: optuna.Study, space_like: Any, exe
                        gain_over=study.user_attrs.get(Attr.GAIN_OVER, "eager"), task="quality", band=band,
                        exact=tuple(str(p.number) for p in points if p.user_attrs.get(Attr.EXACT)))
     runs = (len(points) + 1) * budget.quality_seeds * budget.quality_scale
-    outcome = executor.confirm(spec, timeout=float(space_like.timeout_s) * max(2, runs))
+    outcome = executor.confirm(spec, timeout=float(space_like.timeout_s) * max(2, runs), expected_s=expected_s)
     if outcome.result is None:
         raise EraseTuneError(f"quality confirmation of the front failed: {outcome.failure.reason}")
     res = outcome.result

@@ -322,7 +322,7 @@ def _prepare_loop(job: _Job, space: SearchSpace, checked: BoundSpace,
     if floor:
         log.info("noise floor of the NE gap: ±%.3f%% (a gap above the budget by less is not infeasible)", 100 * band)
     elif space.may_detach and space.budget.noise_repeats:
-        loop.floor_due = lambda: _lazy_floor(db, space, name, job.executor, loop)
+        loop.floor_due = lambda: _lazy_floor(db, space, name, job.executor, loop, cost)
     return space, loop, cost
 
 
@@ -362,7 +362,8 @@ def _check_resumable(study: Any, space: SearchSpace, name: str) -> None:
                              f"{space.gain_over}: use another study name")
 
 
-def _noise_floor(db: Storage, space: SearchSpace, name: str, executor: RayExecutor) -> tuple[dict[str, Any] | None, bool]:
+def _noise_floor(db: Storage, space: SearchSpace, name: str, executor: RayExecutor,
+                 cost: StepCost | None = None) -> tuple[dict[str, Any] | None, bool]:
     """The study's noise floor (erase_tune.measure.noise): the stored one on resume, else measured now
     on a trial slot (once per study: a driver that finds one stored meanwhile takes that one).
     Returns (floor dict or None when ``noise_repeats`` is 0, whether it was measured here)."""
@@ -376,7 +377,10 @@ def _noise_floor(db: Storage, space: SearchSpace, name: str, executor: RayExecut
              space.budget.noise_repeats, ", and the whole-step graph" if executor.device == "cuda" else "")
     spec = ConfirmSpec(workload=space.workload, workload_args=dict(space.workload_args), plans={},
                        budget=dataclasses.asdict(space.budget), windows=0, gain_over=space.gain_over, task="noise")
-    outcome = executor.confirm(spec, timeout=float(space.timeout_s) * (space.budget.noise_repeats + 2))
+    runs = space.budget.noise_repeats + 1  # the data orders, and the whole-step graph
+    expected = None if cost is None else runs * (cost.build_s + space.budget.training_steps * cost.step_s)
+    outcome = executor.confirm(spec, timeout=float(space.timeout_s) * (space.budget.noise_repeats + 2),
+                               expected_s=expected)
     if outcome.result is None:
         raise JobFailed(f"job {name}: the noise floor of the NE gap could not be measured (the baseline trained "
                         f"alone failed): {outcome.failure.reason}")
@@ -431,10 +435,11 @@ def _preflight(db: Storage, space: SearchSpace, name: str,
                                budget=dataclasses.replace(space.budget, reference=False)), error, cost
 
 
-def _lazy_floor(db: Storage, space: SearchSpace, name: str, executor: RayExecutor, loop: Loop) -> float:
+def _lazy_floor(db: Storage, space: SearchSpace, name: str, executor: RayExecutor, loop: Loop,
+                cost: StepCost | None = None) -> float:
     """The noise floor, measured now (the first plan with cuts is about to run) or taken from
     another driver that measured it; stored in the job's tables too. Returns its band."""
-    floor, measured_here = _noise_floor(db, space, name, executor)
+    floor, measured_here = _noise_floor(db, space, name, executor, cost)
     if floor is None:
         return 0.0
     if measured_here or db.store.noise_floor(loop.recorder.job) is None:
@@ -535,7 +540,8 @@ def _run(db: Storage, loop: Loop, space: SearchSpace, name: str, executor: RayEx
     choice: Choice | None = None
     if confirm_windows and final:
         cap = _confirm_windows(space, cost, confirm_windows, loop.seconds_left())
-        confirmed = confirm_front(db, loop.study, space, executor, final, windows=confirm_windows, max_windows=cap)
+        confirmed = confirm_front(db, loop.study, space, executor, final, windows=confirm_windows, max_windows=cap,
+                                  expected_s=_confirm_reserve(space, cost, cap) or None)
         proven = [p for p in final if p.number in confirmed and confirmed[p.number][1] > 0]
         need = _quality_seconds(space, cost, proven)
         left = loop.seconds_left()
@@ -547,7 +553,8 @@ def _run(db: Storage, loop: Loop, space: SearchSpace, name: str, executor: RayEx
         else:
             try:
                 quality = {n: (q.ne_gap, q.ne_gap_lo, q.ne_gap_hi)  # (exact plans were not trained)
-                           for n, q in confirm_quality_front(db, loop.study, space, executor, proven).items()
+                           for n, q in confirm_quality_front(db, loop.study, space, executor, proven,
+                                                             expected_s=need or None).items()
                            if not q.exact}
             except EraseTuneError as e:  # the trials are stored: export confirms quality again
                 log.warning("%s (export will try again)", e)
