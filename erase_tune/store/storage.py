@@ -26,7 +26,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import optuna
@@ -105,6 +105,10 @@ class Storage:
 
     def set_user_attr(self, trial_id: int, key: str, value: object) -> None:
         self.optuna.set_trial_user_attr(trial_id, key, value)
+
+    def set_user_attrs(self, trial_id: int, attrs: Mapping[str, object]) -> None:
+        """Several user attributes at once, in one transaction (all or none)."""
+        self.optuna.set_trial_user_attrs(trial_id, attrs)
 
     def set_constraints(self, trial_id: int, values: list[float]) -> None:
         """The trial's constraint values, where Optuna's multi-objective samplers read them."""

@@ -69,10 +69,10 @@ def _snapshot(db: Storage, rec: Recorder, number: int):
 
 
 @pytest.mark.parametrize(("party", "point", "outcome"), [
-    ("stale", "set_trial_user_attr", "measured"),
+    ("stale", "set_trial_user_attrs", "measured"),
     ("stale", "set_trial_state_values", "measured"),
-    ("stale", "set_trial_user_attr", "failed"),
-    ("replay", "set_trial_user_attr", "measured"),
+    ("stale", "set_trial_user_attrs", "failed"),
+    ("replay", "set_trial_user_attrs", "measured"),
     ("replay", "set_trial_system_attr", "measured"),
     ("replay", "set_trial_state_values", "measured"),
     ("replay", "set_trial_state_values", "failed"),

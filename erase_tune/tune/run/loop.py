@@ -242,9 +242,9 @@ class Loop:
         if earlier is not None:
             return self.recorder.duplicate(trial, earlier, key)
         phase = trial.user_attrs.get(Attr.PHASE) or (SEED if Attr.SEED_NAME in trial.user_attrs else SEARCH)
-        for name, value in ((Attr.PLAN, plan.to_dict()), (Attr.PLAN_KEY, key), (Attr.PLAN_SUMMARY, plan.describe()),
-                            (Attr.MAX_NE_GAP, self.space.max_ne_gap), (Attr.PHASE, phase)):
-            trial.set_user_attr(name, value)
+        self.storage.set_user_attrs(self.recorder.trial_id(trial.number), {
+            Attr.PLAN: plan.to_dict(), Attr.PLAN_KEY: key, Attr.PLAN_SUMMARY: plan.describe(),
+            Attr.MAX_NE_GAP: self.space.max_ne_gap, Attr.PHASE: phase})
         spec = TrialSpec(trial_number=trial.number, workload=self.space.workload,
                          workload_args=dict(self.space.workload_args), plan=plan.to_dict(),
                          budget=dataclasses.asdict(self.space.budget), baseline_ne=self.recorder.baseline_ne(),

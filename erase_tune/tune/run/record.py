@@ -156,8 +156,7 @@ class Recorder:
         attrs = {k: v for k, v in attrs.items() if v is not None}
         if frozen.state == TrialState.RUNNING:
             try:
-                for key, value in attrs.items():
-                    db.set_user_attr(tid, key, value)
+                db.set_user_attrs(tid, attrs)
                 if values is not None:
                     db.set_constraints(tid, [self._constraint(values[1], attrs)])
                     self.study.tell(number, values)
