@@ -94,7 +94,14 @@ def _known_revisions() -> set[str]:
 def current_revision(connection: Connection) -> str | None:
     """The revision recorded in the database; None for a database never upgraded (or at base)."""
     ctx = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
-    return ctx.get_current_revision()
+    heads = ctx.get_current_heads()
+    if len(heads) > 1:
+        raise SchemaError(
+            f"the database's version table {VERSION_TABLE} holds {len(heads)} revisions ({', '.join(sorted(heads))}); "
+            f"a database is at one: delete the row that does not belong there (this erase-tune writes "
+            f"{head_revision()}), then run `erase-tune db upgrade`"
+        )
+    return heads[0] if heads else None
 
 
 @contextlib.contextmanager
@@ -109,7 +116,17 @@ def _migration_connection(engine: Engine) -> Iterator[Connection]:
 
 def upgrade(engine: Engine, revision: str = "head") -> None:
     with _migration_connection(engine) as conn:
+        _check_known(current_revision(conn))  # (and one revision, not several)
         command.upgrade(alembic_config(conn), revision)
+
+
+def _check_known(current: str | None) -> None:
+    """Refuse a revision this erase-tune does not know: a newer erase-tune's database."""
+    if current is not None and current not in _known_revisions():
+        raise SchemaError(
+            f"database at revision {current}, which this erase-tune does not know (it needs {head_revision()}): "
+            "the database was upgraded by a newer erase-tune; upgrade erase-tune"
+        )
 
 
 def downgrade(engine: Engine, revision: str = "base") -> None:
@@ -132,11 +149,7 @@ def check_schema(connection: Connection, shown_url: str) -> None:
     current, head = current_revision(connection), head_revision()
     if current == head:
         return
-    if current is not None and current not in _known_revisions():
-        raise SchemaError(
-            f"database at revision {current}, which this erase-tune does not know (it needs {head}): "
-            "the database was upgraded by a newer erase-tune; upgrade erase-tune"
-        )
+    _check_known(current)
     shown = current if current is not None else "none (erase-tune tables not created)"
     raise SchemaError(
         f"database at revision {shown}, erase-tune needs {head}: "

@@ -132,6 +132,19 @@ def test_database_newer_than_this_erase_tune(migrated: Store, storage_url: str) 
     with pytest.raises(SchemaError, match="9999_future, which this erase-tune does not know.*upgrade erase-tune"):
         migrated.check_schema()
     assert migrated.current_revision() == "9999_future"
+    with pytest.raises(SchemaError, match="9999_future, which this erase-tune does not know.*upgrade erase-tune"):
+        migrated.upgrade()  # not Alembic's "Can't locate revision"
+
+
+def test_two_rows_in_the_version_table_are_one_line_not_a_traceback(migrated: Store, storage_url: str) -> None:
+    engine = create_engine(storage_url, poolclass=NullPool)
+    with engine.begin() as conn:
+        conn.execute(text(f"INSERT INTO {VERSION_TABLE} (version_num) VALUES ('0001')"))
+    engine.dispose()
+    for call in (migrated.check_schema, migrated.upgrade):
+        with pytest.raises(SchemaError, match=f"version table {VERSION_TABLE} holds 2 revisions "
+                                              f"\\(0001, {head_revision()}\\); a database is at one"):
+            call()
 
 
 def test_offline_sql_names_only_our_tables() -> None:
