@@ -31,12 +31,12 @@ import math
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import optuna
 from optuna.storages import fail_stale_trials
-from optuna.trial import TrialState
+from optuna.trial import FrozenTrial, TrialState
 
 from erase_tune.runtime import ErasePlan
 from erase_tune.store.storage import Storage, StorageLost
@@ -218,7 +218,7 @@ class Loop:
         """Whether the study needs another trial now (its target counts every driver's)."""
         trials = self.study.get_trials(deepcopy=False)
         running = sum(t.state == TrialState.RUNNING for t in trials)
-        if len(measured(self.study)) + running >= self.target:
+        if len(measured(self.study, trials)) + running >= self.target:
             return False
         if self.deadline is not None and self._out_of_time():
             return False
@@ -386,13 +386,17 @@ class Loop:
         out["fraction"] = spent / out["trial"] if out["trial"] else 0.0
         return out
 
-    def counts(self) -> tuple[int, int]:
-        trials = self.study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
-        return len(measured(self.study)), sum(Attr.FAILURE_KIND in t.user_attrs for t in trials)
+    def counts(self, trials: Sequence[FrozenTrial] | None = None) -> tuple[int, int]:
+        """(measured trials, failed trials) of the study (of ``trials``, when read already)."""
+        if trials is None:
+            trials = self.study.get_trials(deepcopy=False)
+        return len(measured(self.study, trials)), sum(t.state == TrialState.FAIL and Attr.FAILURE_KIND in t.user_attrs
+                                                       for t in trials)
 
     def emit(self, event: str, message: str) -> None:
-        done, failed = self.counts()
-        front = pareto_front(self.study, self.space.max_ne_gap)
+        trials = self.study.get_trials(deepcopy=False)
+        done, failed = self.counts(trials)
+        front = pareto_front(self.study, self.space.max_ne_gap, trials)
         elapsed = time.monotonic() - self.started
         left = max(0, self.target - done)
         trial_s = self.cost["trial"]

@@ -13,7 +13,7 @@ attribute (:class:`Attr`), so the dashboard can sort and plot by it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import optuna
@@ -155,10 +155,13 @@ def attr(t: FrozenTrial, name: str) -> Any:
     return flat_attrs(t.user_attrs).get(name)
 
 
-def measured(study: optuna.Study) -> list[FrozenTrial]:
-    """Complete trials that were really run (repeats of a measured plan excluded)."""
-    return [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-            if t.values is not None and Attr.PLAN in t.user_attrs and Attr.DUPLICATE_OF not in t.user_attrs]
+def measured(study: optuna.Study, trials: Sequence[FrozenTrial] | None = None) -> list[FrozenTrial]:
+    """Complete trials that were really run (repeats of a measured plan excluded), of ``trials``
+    when the caller has read them already (one read of the storage, not one per question)."""
+    if trials is None:
+        trials = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    return [t for t in trials if t.state == TrialState.COMPLETE and t.values is not None and Attr.PLAN in t.user_attrs
+            and Attr.DUPLICATE_OF not in t.user_attrs]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -187,7 +190,8 @@ def constraint(ne_gap: float, max_ne_gap: float, band: float = 0.0, *, exact: bo
     return -max_ne_gap if exact else ne_gap - (max_ne_gap + band)
 
 
-def pareto_front(study: optuna.Study, max_ne_gap: float | None = None) -> list[FrontPoint]:
+def pareto_front(study: optuna.Study, max_ne_gap: float | None = None,
+                 trials: Sequence[FrozenTrial] | None = None) -> list[FrontPoint]:
     """Measured trials not dominated in (max qps_gain, min ne_gap), best gain first; with
     ``max_ne_gap``, only trials within that NE gap beyond the study's noise floor
     (:func:`noise_band`) take part.
@@ -195,8 +199,8 @@ def pareto_front(study: optuna.Study, max_ne_gap: float | None = None) -> list[F
     NE gaps that differ by no more than the noise floor count as equal: a plan is dominated by
     one at least as fast whose gap is not worse beyond the band, so a slower plan never stays on
     the front for a noise-level NE edge (an exact plan at gap 0 and a cut at -0.4% within a ±0.5%
-    floor are equal in quality, and the faster one wins)."""
-    trials = measured(study)
+    floor are equal in quality, and the faster one wins). ``trials``: the study's, when read already."""
+    trials = measured(study, trials)
     band = noise_band(study)
     if max_ne_gap is not None:
         trials = [t for t in trials if t.values[1] <= max_ne_gap + band]
