@@ -30,7 +30,8 @@ class Options:
     trials: int = opt(60, "measured trials per study")
     seeds: int = opt(3, "studies per sampler")
     first_seed: int = opt(0, "seeds first-seed .. first-seed + seeds - 1")
-    samplers: str = opt("", "samplers, comma separated (default: every one)")
+    samplers: str = opt("", "samplers, comma separated; NAME+screen: the structural screen first, as start "
+                            "does (default: every one, and front+screen)")
     png: str | None = opt(None, "plot the mean hypervolume (and its range over seeds) against trials")
     replot: str | None = opt(None, "only redraw --png from this earlier result JSON")
 
@@ -48,26 +49,27 @@ def sampler_efficiency(ns: Options, ctx: Context) -> dict[str, Any]:
         done = json.loads(Path(ns.replot).read_text())
         plot(done.get("result", done), ns.png)
         return {"replot": ns.replot, "png": ns.png, "table": f"redrew {ns.png} from {ns.replot}"}
-    samplers = ns.samplers or ",".join(SAMPLERS)
+    samplers = ns.samplers or ",".join([*SAMPLERS, "front+screen"])
     table = ReplayTable.load(ns.table)
     space = SearchSpace.load(ns.space)
     checked = check_space(space)
     best = max((g for g, gap in table.points.values() if gap <= space.max_ne_gap), default=0.0)
     print(f"REPLAY of {len(table.points)} plans measured on {table.provenance.get('device_name')} "
           f"({table.provenance.get('date_utc')}); best gain within NE gap {space.max_ne_gap:.2%}: {best:+.2%}")
-    runs = {name: [replay_study(checked, table, sampler=name, seed=seed, trials=ns.trials)
+    runs = {name: [replay_study(checked, table, sampler=name.removesuffix("+screen"), seed=seed, trials=ns.trials,
+                                screen=name.endswith("+screen"))
                    for seed in range(ns.first_seed, ns.first_seed + ns.seeds)]
             for name in samplers.split(",")}
     lines: list[str] = []
     marks = [k for k in (5, 10, 20, 30, 40, 60) if k <= ns.trials]
-    lines.append(f"{'sampler':<8} " + " ".join(f"{'HV@' + str(k):>9}" for k in marks) + "   (mean over seeds)")
+    lines.append(f"{'sampler':<12} " + " ".join(f"{'HV@' + str(k):>9}" for k in marks) + "   (mean over seeds)")
 
     def at(run, k: int) -> float:
         hv = run.hypervolume
         return hv[min(k, len(hv)) - 1] if hv else 0.0
 
     for name, rs in runs.items():
-        lines.append(f"{name:<8} " + " ".join(f"{statistics.mean(at(r, k) for r in rs):>9.5f}" for k in marks))
+        lines.append(f"{name:<12} " + " ".join(f"{statistics.mean(at(r, k) for r in rs):>9.5f}" for k in marks))
     if "random" in runs:
         target = statistics.mean(at(r, ns.trials) for r in runs["random"])
         lines.append(f"random search's {ns.trials}-trial hypervolume, mean of {ns.seeds} seeds: {target:.7f}")

@@ -61,3 +61,19 @@ def test_a_table_that_does_not_cover_the_space_is_refused(tmp_path):
     infinite = SearchSpace.loads(SPACE.replace("streams: round_robin", "streams: searched"), source="x.yaml")
     with pytest.raises(EraseTuneError, match="not a finite space"):
         space_plans(BoundSpace.unchecked(infinite, checked.candidates))
+
+
+def test_a_replayed_study_with_the_screen_measures_its_singles_then_their_unions_first(tmp_path):
+    """With ``screen=True`` the replay enqueues the structural screen as start's driver does: after
+    the seed, each single (3 placements and 3 cuts, read from the table: 0.01 and 0.025 each),
+    then the unions of the gainers, before the sampler proposes."""
+    space = SearchSpace.loads(SPACE, source="replay.yaml")
+    checked = check_space(space)
+    table = _table(tmp_path, space_plans(checked))
+    run = replay_study(checked, table, sampler="front", seed=0, trials=12, screen=True)
+    assert run.points[0] == (0.0, 0.0)  # the seed
+    singles = sorted((round(g, 6), round(n, 6)) for g, n in run.points[1:7])
+    assert singles == [(0.01, 0.0)] * 3 + [(0.025, 0.008)] * 3, run.points
+    assert max(g for g, _ in run.points[7:]) > 0.025  # a union of two gainers beats every single
+    plain = replay_study(checked, table, sampler="front", seed=0, trials=12)
+    assert sorted((round(g, 6), round(n, 6)) for g, n in plain.points[1:7]) != singles  # without it, the sampler's own plans

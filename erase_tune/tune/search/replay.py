@@ -27,7 +27,7 @@ from erase_tune.errors import EraseTuneError
 from erase_tune.runtime import ErasePlan
 from erase_tune.tune.search.hypervolume import hypervolume_history
 from erase_tune.tune.search.codec import BoundSpace
-from erase_tune.tune.search.study import DIRECTIONS, make_sampler
+from erase_tune.tune.search.study import DIRECTIONS, Attr, make_sampler
 
 __all__ = ["ReplayTable", "replay_study", "ReplayRun", "space_plans"]
 
@@ -91,9 +91,13 @@ class ReplayRun:
 
 
 def replay_study(bound: BoundSpace, table: ReplayTable, *, sampler: str, seed: int, trials: int,
-                 max_proposals: int | None = None) -> ReplayRun:
+                 max_proposals: int | None = None, screen: bool = False) -> ReplayRun:
     """Run one study of ``trials`` measured plans against ``table`` (see the module docstring).
-    The space's seed plans are enqueued first, as ``erase-tune start`` does."""
+    The space's seed plans are enqueued first, as ``erase-tune start`` does; with ``screen``,
+    the structural screen's plans are enqueued next, one at a time as the driver does
+    (erase_tune.tune.search.screen), and the sampler goes on from there."""
+    from erase_tune.tune.search.screen import Screen, results_of
+
     optuna.logging.set_verbosity(logging.WARNING)
     space = bound.space
     chosen = make_sampler(sampler, seed, max_ne_gap=space.max_ne_gap, plan_key=bound.key)
@@ -104,7 +108,14 @@ def replay_study(bound: BoundSpace, table: ReplayTable, *, sampler: str, seed: i
     points: list[tuple[float, float]] = []
     proposals = 0
     limit = max_proposals or 50 * trials
+    screening = Screen(bound) if screen else None
     while len(points) < trials and proposals < limit:
+        if screening is not None:
+            known = study.get_trials(deepcopy=False)
+            step = None if any(t.state == optuna.trial.TrialState.WAITING for t in known) else \
+                screening.next(results_of(known))
+            if step is not None:
+                study.enqueue_trial(step.params, user_attrs={Attr.PHASE: step.phase, Attr.SCREEN_NAME: step.name})
         trial = study.ask()
         proposals += 1
         plan = bound.plan(trial)
@@ -112,6 +123,8 @@ def replay_study(bound: BoundSpace, table: ReplayTable, *, sampler: str, seed: i
         gain, gap = seen.get(key) or table.lookup(plan)
         if not (math.isfinite(gain) and math.isfinite(gap)):
             raise EraseTuneError(f"the replay table holds a non-finite measurement for {plan.describe()!r}")
+        trial.set_user_attr(Attr.PLAN_KEY, plan.dumps())  # what the screen reads back, as the driver writes it
+        trial.set_user_attr(Attr.FEASIBLE, gap <= space.max_ne_gap)
         trial.set_constraint("ne_gap", gap - space.max_ne_gap)
         study.tell(trial, [gain, gap])
         if key not in seen:
