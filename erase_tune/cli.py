@@ -185,8 +185,10 @@ def cmd_start(ns: argparse.Namespace) -> int:
     from erase_tune.tune.views.tables import progress_line, start_summary
 
     if ns.repeats == 0 and not ns.no_confirm:  # JobSpec takes 0 for "no confirmation": say how to ask for that
-        raise EraseTuneError("--repeats: 0 must be an integer >= 2 (an interval needs two windows); --no-confirm "
-                             "skips the confirmation")
+        from erase_tune.measure.confirm import MAX_CONFIRM_WINDOWS
+
+        raise EraseTuneError(f"--repeats: 0 must be an integer in 2..{MAX_CONFIRM_WINDOWS} (an interval needs two "
+                             "windows); --no-confirm skips the confirmation")
     summary = start_job(
         ns.space,
         what=JobSpec(study_name=ns.study, trials=ns.trials, confirm_windows=0 if ns.no_confirm else ns.repeats,

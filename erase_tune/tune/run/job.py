@@ -44,6 +44,7 @@ from typing import Any
 
 from erase_tune._files import name_problem
 from erase_tune.errors import EraseTuneError, shown
+from erase_tune.measure.confirm import MAX_CONFIRM_WINDOWS
 from erase_tune.measure.estimate import StepCost, describe_phases, duration, trial_seconds
 from erase_tune.store import default_storage_url
 from erase_tune.store.engine import parse_url
@@ -138,9 +139,10 @@ class JobSpec:
         if self.time_budget_s is not None and not 1 <= self.time_budget_s <= MAX_WAIT_S:  # also refuses nan
             raise EraseTuneError(f"--time-budget: {self.time_budget_s} must be in 1s..7d")
         w = self.confirm_windows
-        if isinstance(w, bool) or not isinstance(w, int) or (w != 0 and w < MIN_CONFIRM_WINDOWS):  # before any trial
-            raise EraseTuneError(f"--repeats: {shown(self.confirm_windows)} must be an integer >= "
-                                 f"{MIN_CONFIRM_WINDOWS} (an interval needs two windows)")
+        if isinstance(w, bool) or not isinstance(w, int) or (w != 0 and not MIN_CONFIRM_WINDOWS <= w
+                                                             <= MAX_CONFIRM_WINDOWS):  # before any trial
+            raise EraseTuneError(f"--repeats: {shown(self.confirm_windows)} must be an integer in "
+                                 f"{MIN_CONFIRM_WINDOWS}..{MAX_CONFIRM_WINDOWS} (an interval needs two windows)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -33,6 +33,7 @@ from erase_tune.store import Confirmation, QualityConfirmation, default_storage_
 from erase_tune.store.storage import Storage, open_storage
 from erase_tune.tune.search.space import SearchSpace
 from erase_tune.tune.search.space_file import MAX_NE_GAP
+from erase_tune.measure.confirm import MAX_CONFIRM_WINDOWS
 from erase_tune.tune.run.confirm import (
     MAX_CONFIRMED,
     MIN_CONFIRM_WINDOWS,
@@ -123,9 +124,10 @@ def _check_arguments(pick: str, windows: int, max_ne_gap: float | None) -> None:
     """Refuse a ``--pick``, ``--repeats`` or ``--max-ne-gap`` export cannot use, before anything is opened."""
     if pick not in PICKS:
         raise EraseTuneError(f"--pick: {pick!r} is not one of {', '.join(PICKS)}")
-    if isinstance(windows, bool) or not isinstance(windows, int) or windows < MIN_CONFIRM_WINDOWS:
-        raise EraseTuneError(f"--repeats: {shown(windows)} must be an integer >= {MIN_CONFIRM_WINDOWS} (an interval "
-                             "needs two windows)")
+    if isinstance(windows, bool) or not isinstance(windows, int) or not MIN_CONFIRM_WINDOWS <= windows \
+            <= MAX_CONFIRM_WINDOWS:
+        raise EraseTuneError(f"--repeats: {shown(windows)} must be an integer in {MIN_CONFIRM_WINDOWS}.."
+                             f"{MAX_CONFIRM_WINDOWS} (an interval needs two windows)")
     if max_ne_gap is not None and (isinstance(max_ne_gap, bool) or not isinstance(max_ne_gap, (int, float))
                                    or not 0 <= max_ne_gap <= MAX_NE_GAP):  # also refuses nan
         raise EraseTuneError(f"--max-ne-gap: {shown(max_ne_gap)} must be between 0 and {MAX_NE_GAP:g} (as a space "
