@@ -383,10 +383,10 @@ def _batches(dense: Tensor, sparse: Tensor, labels: Tensor, batch: int) -> list[
     ]
 
 
-def _synthetic_data(device: torch.device, *, args: dict[str, Any]) -> WorkloadData:
-    batch, n_train = args["batch"], args["train_batches"] * args["batch"]
-    n = n_train + args["eval_batches"] * batch
-    dense, sparse, labels = synthetic_ctr(
+def _synthetic(n: int, args: dict[str, Any], device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """``n`` examples from the planted teacher, as the workload's ``args`` configure it (one
+    place for the train/eval pools and the example batch to ask for them)."""
+    return synthetic_ctr(
         n,
         num_tables=args["num_tables"],
         rows=args["rows"],
@@ -395,6 +395,11 @@ def _synthetic_data(device: torch.device, *, args: dict[str, Any]) -> WorkloadDa
         seed=args["seed"],
         device=torch.device(device),
     )
+
+
+def _synthetic_data(device: torch.device, *, args: dict[str, Any]) -> WorkloadData:
+    batch, n_train = args["batch"], args["train_batches"] * args["batch"]
+    dense, sparse, labels = _synthetic(n_train + args["eval_batches"] * batch, args, device)
     return WorkloadData(
         train=_batches(dense[:n_train], sparse[:n_train], labels[:n_train], batch),
         eval=_batches(dense[n_train:], sparse[n_train:], labels[n_train:], batch),
@@ -434,15 +439,7 @@ def _build_model(*, args: dict[str, Any]) -> CTRModel:
 def _synthetic_example(device: torch.device, *, args: dict[str, Any]) -> Batch:
     """One batch straight from the teacher: no pool, so it costs one batch (plus the
     per-table id order) whatever ``train_batches`` is."""
-    dense, sparse, labels = synthetic_ctr(
-        args["batch"],
-        num_tables=args["num_tables"],
-        rows=args["rows"],
-        bag=args["bag"],
-        base_rate=args["base_rate"],
-        seed=args["seed"],
-        device=torch.device(device),
-    )
+    dense, sparse, labels = _synthetic(args["batch"], args, device)
     return (dense, sparse), labels
 
 
