@@ -42,6 +42,15 @@ MIN_CONFIRM_WINDOWS = 2
 PICKS = ("max-gain", "knee")
 
 
+def _confirmed(executor: Any, spec: ConfirmSpec, *, timeout: float, expected_s: float | None, what: str) -> Any:
+    """Run ``spec`` on ``executor`` and return its result; a failed run raises
+    :class:`EraseTuneError` naming ``what`` ("confirmation", "quality confirmation") and the reason."""
+    outcome = executor.confirm(spec, timeout=timeout, expected_s=expected_s)
+    if outcome.result is None:
+        raise EraseTuneError(f"{what} of the front failed: {outcome.failure.reason}")
+    return outcome.result
+
+
 def confirm_front(db: Storage, study: optuna.Study, space_like: Any, executor: Any, front: list[FrontPoint], *,
                   windows: int, max_windows: int = CONFIRM_MAX_WINDOWS,
                   expected_s: float | None = None) -> dict[int, tuple[float, float, float]]:
@@ -55,10 +64,8 @@ def confirm_front(db: Storage, study: optuna.Study, space_like: Any, executor: A
     spec = ConfirmSpec(workload=wl["name"], workload_args=wl["args"], plans={str(p.number): p.plan for p in points},
                        budget=budget, windows=windows, gain_over=study.user_attrs.get(Attr.GAIN_OVER, "eager"),
                        max_windows=max(windows, max_windows), halfwidth=CONFIRM_HALFWIDTH)
-    outcome = executor.confirm(spec, timeout=float(space_like.timeout_s) * 2, expected_s=expected_s)
-    if outcome.result is None:
-        raise EraseTuneError(f"confirmation of the front failed: {outcome.failure.reason}")
-    res = outcome.result
+    res = _confirmed(executor, spec, timeout=float(space_like.timeout_s) * 2, expected_s=expected_s,
+                     what="confirmation")
     out = {}
     for p in points:
         c = res.plans[str(p.number)]
@@ -99,10 +106,8 @@ def confirm_quality_front(db: Storage, study: optuna.Study, space_like: Any, exe
                        gain_over=study.user_attrs.get(Attr.GAIN_OVER, "eager"), task="quality", band=band,
                        exact=tuple(str(p.number) for p in points if p.user_attrs.get(Attr.EXACT)))
     runs = (len(points) + 1) * budget.quality_seeds * budget.quality_scale
-    outcome = executor.confirm(spec, timeout=float(space_like.timeout_s) * max(2, runs), expected_s=expected_s)
-    if outcome.result is None:
-        raise EraseTuneError(f"quality confirmation of the front failed: {outcome.failure.reason}")
-    res = outcome.result
+    res = _confirmed(executor, spec, timeout=float(space_like.timeout_s) * max(2, runs), expected_s=expected_s,
+                     what="quality confirmation")
     out = {}
     for p in points:
         c = res.plans[str(p.number)]
