@@ -301,6 +301,18 @@ class Workload:
         return prior_entropy(labels)
 
 
+def split_pools(batches: Callable[..., list[Batch]], tensors: Sequence[Tensor], train: slice, held: slice,
+                batch: int) -> WorkloadData:
+    """The train and eval pools of ``tensors`` (the labels last): the rows ``train`` and
+    ``held`` pick, each cut by ``batches(*tensors, batch)``; the prior entropy is that of the
+    train labels. The synthetic and the file-backed data of a workload are split alike."""
+    return WorkloadData(
+        train=batches(*(t[train] for t in tensors), batch),
+        eval=batches(*(t[held] for t in tensors), batch),
+        prior_entropy=prior_entropy(tensors[-1][train]),
+    )
+
+
 def prior_entropy(labels: Tensor, num_classes: int | None = None) -> float:
     """Cross-entropy (nats) of predicting the empirical label distribution of ``labels``.
 

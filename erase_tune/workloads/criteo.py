@@ -85,6 +85,17 @@ def load_criteo_tsv(
     )
 
 
+def load_criteo_batch(path: str, *, rows: int, batch: int, workload: str) -> tuple[Tensor, Tensor, Tensor]:
+    """The file's first ``batch`` lines, as :func:`load_criteo_tsv` reads them: the first
+    training batch ``make_data`` gives, which is what a workload's ``make_example`` needs. A
+    shorter file raises :class:`WorkloadError` naming ``workload``."""
+    dense, sparse, labels = load_criteo_tsv(path, rows=rows, max_lines=batch)
+    if len(labels) < batch:
+        raise WorkloadError(f"workload {shown(workload)}: data {path!r} has {len(labels)} lines, too few for one "
+                            f"training batch of {batch}")
+    return dense, sparse, labels
+
+
 def load_criteo_split(path: str, *, rows: int, batch: int, train_batches: int, eval_batches: int,
                       workload: str) -> tuple[tuple[Tensor, Tensor, Tensor], slice, slice]:
     """Read up to ``(train_batches + eval_batches)·batch`` lines of a Criteo TSV and split them:

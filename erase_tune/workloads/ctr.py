@@ -27,10 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from erase_tune.errors import WorkloadError
 from erase_tune.workloads import fused_if_cuda
-from erase_tune.workloads.base import Batch, Workload, WorkloadData, prior_entropy
-from erase_tune.workloads.criteo import NUM_DENSE, NUM_SPARSE, load_criteo_split, load_criteo_tsv
+from erase_tune.workloads.base import Batch, Workload, WorkloadData, split_pools
+from erase_tune.workloads.criteo import NUM_DENSE, NUM_SPARSE, load_criteo_batch, load_criteo_split
 from erase_tune.workloads.limits import (
     CRITEO_BYTES_PER_LINE,
     CRITEO_MIN_LINE_BYTES,
@@ -400,11 +399,7 @@ def _synthetic(n: int, args: dict[str, Any], device: torch.device) -> tuple[Tens
 def _synthetic_data(device: torch.device, *, args: dict[str, Any]) -> WorkloadData:
     batch, n_train = args["batch"], args["train_batches"] * args["batch"]
     dense, sparse, labels = _synthetic(n_train + args["eval_batches"] * batch, args, device)
-    return WorkloadData(
-        train=_batches(dense[:n_train], sparse[:n_train], labels[:n_train], batch),
-        eval=_batches(dense[n_train:], sparse[n_train:], labels[n_train:], batch),
-        prior_entropy=prior_entropy(labels[:n_train]),
-    )
+    return split_pools(_batches, (dense, sparse, labels), slice(0, n_train), slice(n_train, None), batch)
 
 
 def _criteo_data(device: torch.device, *, args: dict[str, Any]) -> WorkloadData:
@@ -415,11 +410,7 @@ def _criteo_data(device: torch.device, *, args: dict[str, Any]) -> WorkloadData:
         eval_batches=args["eval_batches"], workload="ctr")
     device = torch.device(device)
     dense, sparse, labels = dense.to(device), sparse.to(device), labels.to(device)
-    return WorkloadData(
-        train=_batches(dense[train], sparse[train], labels[train], batch),
-        eval=_batches(dense[held], sparse[held], labels[held], batch),
-        prior_entropy=prior_entropy(labels[train]),
-    )
+    return split_pools(_batches, (dense, sparse, labels), train, held, batch)
 
 
 def _build_model(*, args: dict[str, Any]) -> CTRModel:
@@ -445,12 +436,8 @@ def _synthetic_example(device: torch.device, *, args: dict[str, Any]) -> Batch:
 
 def _criteo_example(device: torch.device, *, args: dict[str, Any]) -> Batch:
     """The file's first ``batch`` lines: the first training batch ``make_data`` gives."""
-    batch, path = args["batch"], args["data"]
-    dense, sparse, labels = load_criteo_tsv(path, rows=args["rows"], max_lines=batch)
-    if len(labels) < batch:
-        raise WorkloadError(
-            f"workload 'ctr': data {path!r} has {len(labels)} lines, too few for one training batch of {batch}"
-        )
+    batch = args["batch"]
+    dense, sparse, labels = load_criteo_batch(args["data"], rows=args["rows"], batch=batch, workload="ctr")
     device = torch.device(device)
     return (dense.to(device), sparse.to(device)), labels.to(device)
 

@@ -59,7 +59,7 @@ from torch import Tensor, nn
 
 from erase_tune.errors import WorkloadError, shown
 from erase_tune.workloads import fused_if_cuda
-from erase_tune.workloads.base import Batch, Workload, WorkloadData, prior_entropy
+from erase_tune.workloads.base import Batch, Workload, WorkloadData, split_pools
 from erase_tune.workloads.ctr import _bias_for_rate, _binary_entropy, _standardize  # the same teacher arithmetic
 from erase_tune.workloads.limits import (
     MAX_SEED,
@@ -317,11 +317,7 @@ def _make_data(device: torch.device, *, args: dict[str, Any]) -> WorkloadData:
     batch, n_train = args["batch"], args["train_batches"] * args["batch"]
     ids, labels = synthetic_clicks(n_train + args["eval_batches"] * batch, num_fields=args["num_fields"],
                                    rows=args["rows"], seed=args["seed"], device=torch.device(device))
-    return WorkloadData(
-        train=_batches(ids[:n_train], labels[:n_train], batch),
-        eval=_batches(ids[n_train:], labels[n_train:], batch),
-        prior_entropy=prior_entropy(labels[:n_train]),
-    )
+    return split_pools(_batches, (ids, labels), slice(0, n_train), slice(n_train, None), batch)
 
 
 def _make_example(device: torch.device, *, args: dict[str, Any]) -> Batch:

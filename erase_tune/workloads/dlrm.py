@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from erase_tune.errors import WorkloadError, shown
-from erase_tune.workloads.base import Batch, Workload, WorkloadData, prior_entropy
-from erase_tune.workloads.criteo import NUM_DENSE, NUM_SPARSE, load_criteo_split, load_criteo_tsv
+from erase_tune.workloads.base import Batch, Workload, WorkloadData, split_pools
+from erase_tune.workloads.criteo import NUM_DENSE, NUM_SPARSE, load_criteo_batch, load_criteo_split
 from erase_tune.workloads.ctr import synthetic_ctr
 from erase_tune.workloads.limits import (
     CRITEO_BYTES_PER_LINE,
@@ -168,11 +168,7 @@ def _synthetic(n: int, args: dict[str, Any], device: torch.device) -> tuple[Tens
 def _synthetic_data(device: torch.device, *, args: dict[str, Any]) -> WorkloadData:
     batch, n_train = args["batch"], args["train_batches"] * args["batch"]
     dense, ids, labels = _synthetic(n_train + args["eval_batches"] * batch, args, device)
-    return WorkloadData(
-        train=_batches(dense[:n_train], ids[:n_train], labels[:n_train], batch),
-        eval=_batches(dense[n_train:], ids[n_train:], labels[n_train:], batch),
-        prior_entropy=prior_entropy(labels[:n_train]),
-    )
+    return split_pools(_batches, (dense, ids, labels), slice(0, n_train), slice(n_train, None), batch)
 
 
 def _synthetic_example(device: torch.device, *, args: dict[str, Any]) -> Batch:
@@ -190,21 +186,13 @@ def _criteo_data(device: torch.device, *, args: dict[str, Any]) -> WorkloadData:
         eval_batches=args["eval_batches"], workload="dlrm")
     device = torch.device(device)
     dense, ids, labels = dense.to(device), sparse[:, :, 0].to(device), labels.to(device)
-    return WorkloadData(
-        train=_batches(dense[train], ids[train], labels[train], batch),
-        eval=_batches(dense[held], ids[held], labels[held], batch),
-        prior_entropy=prior_entropy(labels[train]),
-    )
+    return split_pools(_batches, (dense, ids, labels), train, held, batch)
 
 
 def _criteo_example(device: torch.device, *, args: dict[str, Any]) -> Batch:
     """The file's first ``batch`` lines: the first training batch ``make_data`` gives."""
-    batch, path = args["batch"], args["data"]
-    dense, sparse, labels = load_criteo_tsv(path, rows=args["rows"], max_lines=batch)
-    if len(labels) < batch:
-        raise WorkloadError(
-            f"workload 'dlrm': data {path!r} has {len(labels)} lines, too few for one training batch of {batch}"
-        )
+    batch = args["batch"]
+    dense, sparse, labels = load_criteo_batch(args["data"], rows=args["rows"], batch=batch, workload="dlrm")
     device = torch.device(device)
     return _batches(dense.to(device), sparse[:, :, 0].to(device), labels.to(device), batch)[0]
 
