@@ -20,8 +20,11 @@ import torch
 from torch import Tensor
 
 from erase_tune.errors import WorkloadError, shown
+from erase_tune.workloads.limits import check_arg
 
-__all__ = ["NUM_DENSE", "NUM_SPARSE", "load_criteo_tsv", "load_criteo_split"]
+__all__ = [
+    "NUM_DENSE", "NUM_SPARSE", "check_criteo_data", "load_criteo_tsv", "load_criteo_batch", "load_criteo_split",
+]
 
 NUM_DENSE = 13
 NUM_SPARSE = 26
@@ -83,6 +86,14 @@ def load_criteo_tsv(
         torch.tensor(sparse, dtype=torch.int64).unsqueeze(-1),
         torch.tensor(labels, dtype=torch.float32),
     )
+
+
+def check_criteo_data(workload: str, data: str, num_tables: int) -> None:
+    """Check a workload's ``data`` and ``num_tables`` arguments for a Criteo TSV: the file must
+    be readable, and the model must have the format's 26 tables; a one-line
+    :class:`WorkloadError` naming ``workload`` otherwise."""
+    check_arg(workload, "data", data, os.path.isfile(data), "'synthetic' or the path of a readable Criteo TSV file")
+    check_arg(workload, "num_tables", num_tables, num_tables == NUM_SPARSE, f"{NUM_SPARSE} with Criteo data")
 
 
 def load_criteo_batch(path: str, *, rows: int, batch: int, workload: str) -> tuple[Tensor, Tensor, Tensor]:

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from erase_tune.workloads import fused_if_cuda
 from erase_tune.workloads.base import Batch, Workload, WorkloadData, split_pools
-from erase_tune.workloads.criteo import NUM_DENSE, NUM_SPARSE, load_criteo_batch, load_criteo_split
+from erase_tune.workloads.criteo import NUM_DENSE, check_criteo_data, load_criteo_batch, load_criteo_split
 from erase_tune.workloads.limits import (
     CRITEO_BYTES_PER_LINE,
     CRITEO_MIN_LINE_BYTES,
@@ -557,9 +557,7 @@ def workload(
         make_data: Callable[[torch.device], WorkloadData] = functools.partial(_synthetic_data, args=args)
         make_example: Callable[[torch.device], Batch] = functools.partial(_synthetic_example, args=args)
     else:
-        check_arg("ctr", "data", data, os.path.isfile(data),
-                  "'synthetic' or the path of a readable Criteo TSV file")
-        check_arg("ctr", "num_tables", num_tables, num_tables == NUM_SPARSE, f"{NUM_SPARSE} with Criteo data")
+        check_criteo_data("ctr", data, num_tables)
         check_arg("ctr", "bag", bag, bag == 1, "1 with Criteo data")
         make_data = functools.partial(_criteo_data, args=args)
         make_example = functools.partial(_criteo_example, args=args)
