@@ -18,8 +18,8 @@ Quality is held-out NE of baseline and candidate after the same ``budget.trainin
 placements, graphed pieces, the whole-step graph, the empty plan) pays for speed only: its
 gradients of one step after the warm-up (which covers graph capture and a replay) are compared
 with the baseline's, both taking that step from the same weights on the same batch, and when
-they agree (:func:`gradient_difference`) it is recorded exact, NE gap 0, and trained no further. One that disagrees is measured for NE
-like a plan with cuts.
+they agree (:func:`gradient_difference`) it is recorded exact, NE gap 0, and trained no further.
+One that disagrees is measured for NE like a plan with cuts.
 
 With ``process_group`` (a trial of k ranks): every rank runs the same protocol, every variant
 (baseline included) averages its gradients across the group (:class:`EraseEngine`'s

@@ -27,6 +27,7 @@ from erase_tune.errors import EraseTuneError
 from erase_tune.runtime import ErasePlan
 from erase_tune.tune.search.hypervolume import hypervolume_history
 from erase_tune.tune.search.codec import BoundSpace
+from erase_tune.tune.search.screen import Screen, results_of
 from erase_tune.tune.search.study import DIRECTIONS, Attr, make_sampler
 
 __all__ = ["ReplayTable", "replay_study", "ReplayRun", "space_plans"]
@@ -96,8 +97,6 @@ def replay_study(bound: BoundSpace, table: ReplayTable, *, sampler: str, seed: i
     The space's seed plans are enqueued first, as ``erase-tune start`` does; with ``screen``,
     the structural screen's plans are enqueued next, one at a time as the driver does
     (erase_tune.tune.search.screen), and the sampler goes on from there."""
-    from erase_tune.tune.search.screen import Screen, results_of
-
     optuna.logging.set_verbosity(logging.WARNING)
     space = bound.space
     chosen = make_sampler(sampler, seed, max_ne_gap=space.max_ne_gap, plan_key=bound.key)
