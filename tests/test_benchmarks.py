@@ -30,7 +30,8 @@ def test_list_shows_every_case_and_suite_with_a_figure(capsys):
     out = capsys.readouterr().out
     cases = load_cases()
     assert set(cases) == {"campaign_space", "ddp_table1", "graph_drift", "host_profile", "host_table", "host_trace",
-                          "mlp_backward", "ne_evidence", "rank_agreement", "replay_table", "sampler_efficiency"}
+                          "mlp_backward", "ne_evidence", "rank_agreement", "replay_table", "sampler_efficiency",
+                          "study_recheck"}
     for name, case in cases.items():
         block = out.split(f"\n  {name} ", 1)[1].split("\n  ", 1)[0]
         assert case.description in block
@@ -38,7 +39,7 @@ def test_list_shows_every_case_and_suite_with_a_figure(capsys):
         assert f"figure: docs/benchmarks.md {case.figures[0]}" in out
     assert cases["graph_drift"].needs() == "needs CUDA" and cases["ddp_table1"].gpus == 2
     for name in ("a", "a1", "a2", "a3", "b", "b1", "c", "d", "e", "f", "g", "h", "h2", "h3", "h4", "h5",
-                 "s1", "s2", "s3", "n", "validate", "validate-tests", "validate-trace", "validate-tune"):
+                 "s1", "s2", "s3", "s4", "s5", "n", "validate", "validate-tests", "validate-trace", "validate-tune"):
         assert name in SUITES, name
         assert f"\n  {name} " in out
         assert SUITES[name].figures and all(_cites_a_section(f) for f in SUITES[name].figures), name

@@ -19,7 +19,7 @@ from erase_tune.benchmarks.case import CASES, Case, Context
 __all__ = ["CASES", "CASE_MODULES", "Case", "Context", "load_cases"]
 
 CASE_MODULES = ("campaign_space", "ddp_table1", "graph_drift", "host_profile", "host_table", "host_trace",
-                "mlp_backward", "ne_evidence", "rank_agreement", "replay_table", "sampler_efficiency")
+                "mlp_backward", "ne_evidence", "rank_agreement", "replay_table", "sampler_efficiency", "study_recheck")
 
 
 def load_cases() -> dict[str, Case]:

@@ -301,6 +301,17 @@ SUITE_LIST: list[Suite] = [
               Step("dlrm_check", 120, "0", et("check", "--space", "search_spaces/dlrm.yaml")),
               Step("deepfm_dropout_bench", 200, "0", et("bench", "--workload", "deepfm", "--arg", "dropout=0.2",
                                                         "--device", "cuda")))),
+    Suite("s4", "issue 27's owed GPU runs (1 of 2): the CTR proxy's bench at batch 2048 (the whole-step graph "
+                "against eager), and a 12-trial gpt study with no time budget (the whole job against its trials' time)",
+          ("0000.5 Issue 27's targets after this campaign",),
+          seq(_bench_ctr("bench2048", 150, 2048),
+              _study("gpt_study", 330, "0", "search_spaces/gpt.yaml", "gpt", "gpt.db", "--trials", "12"))),
+    Suite("s5", "issue 27's owed GPU runs (2 of 2): a dlrm study with no seeds, then every trial of it re-measured "
+                "(Kendall's tau of searched against re-measured gains)",
+          ("0000.5 Issue 27's targets after this campaign",),
+          seq(_study("dlrm_study", 380, "0", "search_spaces/dlrm.yaml", "dlrm", "dlrm.db", "--time-budget", "6m"),
+              Step("dlrm_recheck", 200, "0", bench("study_recheck", "--storage", "sqlite:///{work}/dlrm.db",
+                                                   "--study", "dlrm")))),
     Suite("n", "the NE gap's evidence: the noise floor of every shipped space and the rank agreement over 12 plans",
           ("00.2b The noise floor of the NE gap", "00.4 NE rank agreement (issue 17)"),
           seq(Step("ne_evidence", 480, "0", bench("ne_evidence", "--rank-arg", "train_batches=1700")))),
