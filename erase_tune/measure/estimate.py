@@ -46,6 +46,10 @@ class StepCost:
             if not (isinstance(value, (int, float)) and value >= 0 and value == value and value != float("inf")):
                 raise ValueError(f"StepCost.{name}: {value!r} must be a finite number of seconds >= 0")
 
+    def run_s(self, steps: int) -> float:
+        """One model built and trained ``steps`` steps."""
+        return self.build_s + steps * self.step_s
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Phase:
@@ -91,7 +95,7 @@ def trial_seconds(cost: StepCost, *, variants: int, warmup_steps: int, window_st
                   ne_steps: int = 0) -> float:
     """One trial: ``variants`` models built, warmed up and timed for ``windows`` windows each, then
     ``ne_steps`` training steps for NE (0 for an exact plan)."""
-    return variants * (cost.build_s + (warmup_steps + windows * window_steps) * cost.step_s) + ne_steps * cost.step_s
+    return variants * cost.run_s(warmup_steps + windows * window_steps) + ne_steps * cost.step_s
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -137,7 +141,7 @@ def job_phases(cost: StepCost, trial: TrialShape, job: JobShape) -> list[Phase]:
         return t.warmup_steps + windows * t.window_steps
 
     def training() -> float:
-        return cost.build_s + t.training_steps * cost.step_s
+        return cost.run_s(t.training_steps)
 
     phases = []
     for name, n, what in (("screen", j.screen_plans, "plans"), ("search", j.search_trials, "trials")):
@@ -153,8 +157,8 @@ def job_phases(cost: StepCost, trial: TrialShape, job: JobShape) -> list[Phase]:
                             low_s=s, high_s=s))
     if j.confirm_plans:
         runners = j.confirm_plans + 1
-        low = runners * (cost.build_s + window_steps(j.confirm_min_windows) * cost.step_s)
-        high = runners * (cost.build_s + window_steps(j.confirm_max_windows) * cost.step_s)
+        low = runners * cost.run_s(window_steps(j.confirm_min_windows))
+        high = runners * cost.run_s(window_steps(j.confirm_max_windows))
         phases.append(Phase(name="confirmation", what=f"{j.confirm_plans} plans, {j.confirm_min_windows}.."
                                                       f"{j.confirm_max_windows} windows", low_s=low, high_s=high))
         if t.may_detach and j.quality_runs:

@@ -380,7 +380,7 @@ def _noise_floor(db: Storage, space: SearchSpace, name: str, executor: RayExecut
     spec = ConfirmSpec(workload=space.workload, workload_args=dict(space.workload_args), plans={},
                        budget=dataclasses.asdict(space.budget), windows=0, gain_over=space.gain_over, task="noise")
     runs = space.budget.noise_repeats + 1  # the data orders, and the whole-step graph
-    expected = None if cost is None else runs * (cost.build_s + space.budget.training_steps * cost.step_s)
+    expected = None if cost is None else runs * cost.run_s(space.budget.training_steps)
     outcome = executor.confirm(spec, timeout=float(space.timeout_s) * (space.budget.noise_repeats + 2),
                                expected_s=expected)
     if outcome.result is None:
@@ -468,7 +468,7 @@ def _confirm_reserve(space: SearchSpace, cost: StepCost | None, windows: int) ->
     if cost is None or not windows:
         return 0.0
     b = space.budget
-    return (MAX_CONFIRMED + 1) * (cost.build_s + (b.warmup_steps + windows * b.window_steps) * cost.step_s)
+    return (MAX_CONFIRMED + 1) * cost.run_s(b.warmup_steps + windows * b.window_steps)
 
 
 def _quality_seconds(space: SearchSpace, cost: StepCost | None, points: list[FrontPoint]) -> float:
@@ -478,7 +478,7 @@ def _quality_seconds(space: SearchSpace, cost: StepCost | None, points: list[Fro
     trained = [p for p in points if not p.user_attrs.get(Attr.EXACT)]
     if cost is None or not trained or not b.quality_scale:
         return 0.0
-    return (len(trained) + 1) * b.quality_seeds * (cost.build_s + b.quality_scale * b.training_steps * cost.step_s)
+    return (len(trained) + 1) * b.quality_seeds * cost.run_s(b.quality_scale * b.training_steps)
 
 
 def _confirm_windows(space: SearchSpace, cost: StepCost | None, windows: int, seconds_left: float | None) -> int:
@@ -489,7 +489,7 @@ def _confirm_windows(space: SearchSpace, cost: StepCost | None, windows: int, se
     b = space.budget
     runners = MAX_CONFIRMED + 1
     per_window = runners * b.window_steps * cost.step_s
-    spare = seconds_left - runners * (cost.build_s + b.warmup_steps * cost.step_s)
+    spare = seconds_left - runners * cost.run_s(b.warmup_steps)
     return max(windows, min(cap, int(spare / per_window) if per_window > 0 else cap))
 
 
