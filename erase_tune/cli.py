@@ -28,12 +28,12 @@ import os
 import shlex
 import signal
 import sys
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from erase_tune import __version__
 from erase_tune._env import check_environment
+from erase_tune._signals import on_signals, received, sigterm_kept, stopped
 from erase_tune.cli_args import (
     Parser,
     bench_args,
@@ -197,7 +197,7 @@ def cmd_start(ns: argparse.Namespace) -> int:
                     py_modules=ns.py_module),
         patience=Patience(gpu_wait_s=ns.gpu_wait, grace_period_s=ns.grace_period),
         on_progress=lambda p: log.info(progress_line(p)),
-        driver=DriverHooks(import_from=_import_from, ray_started=_sigterm_kept()))
+        driver=DriverHooks(import_from=_import_from, ray_started=sigterm_kept()))
     flag = f" --storage {shlex.quote(summary.storage)}"
     if ns.json:
         _emit_json({**dataclasses.asdict(summary),
@@ -215,22 +215,6 @@ def _import_from(dirs: Sequence[str]) -> None:
     for d in dirs:
         if d not in sys.path:
             sys.path.insert(0, d)
-
-
-def _sigterm_kept() -> Callable[[], None]:
-    """What puts this command's SIGTERM handler back once Ray is up: ray.init installs one of its
-    own, which exits without cancelling anything. SIGTERM (timeout, Kubernetes, ``ray job stop``)
-    then ends the command as Ctrl-C does (``start``: trials cancelled and failed, the job marked
-    interrupted), exit 143 with one line. A handler that is no function (SIGTERM ignored) becomes ours."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    handler = signal.getsignal(signal.SIGTERM)
-    kept = handler if callable(handler) else _terminate
-
-    def put_back() -> None:
-        signal.signal(signal.SIGTERM, kept)
-
-    return put_back
 
 
 def cmd_status(ns: argparse.Namespace) -> int:
@@ -258,7 +242,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
     from erase_tune.tune.views.export import ConfirmSettings, export_plan
     from erase_tune.tune.run.remote import confirming_executor
 
-    factory = confirming_executor(ns.ray_address, ns.working_dir, ns.py_module, on_ray_started=_sigterm_kept())
+    factory = confirming_executor(ns.ray_address, ns.working_dir, ns.py_module, on_ray_started=sigterm_kept())
     confirm = ConfirmSettings(windows=ns.repeats, quality_scale=ns.quality_scale, quality_seeds=ns.quality_seeds)
     done = export_plan(ns.storage, ns.study, ns.output, max_ne_gap=ns.max_ne_gap, pick=ns.pick, force=ns.force,
                        executor_factory=factory, confirm=confirm)
@@ -366,49 +350,6 @@ _SERVICE_MODULES = {"optuna", "optuna_dashboard", "ray", "sqlalchemy", "alembic"
 """What ``erase-tune[tune]`` adds to the runtime-only install."""
 
 
-_received: list[int] = []
-"""Signals received while a command ran. Some servers (the dashboard's) catch KeyboardInterrupt
-themselves and return normally: the command's exit must still say it was stopped."""
-
-
-def _terminate(signum: int, frame: Any) -> None:
-    _received.append(signum)
-    raise Terminated(signum)
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    _received.append(signum)
-    raise KeyboardInterrupt
-
-
-def _on_signals() -> Callable[[], None]:
-    """Ctrl-C, SIGTERM and SIGHUP end a command with one line and exit 130 / 143 / 129;
-    returns the function that puts the previous handlers back (``main`` may be called
-    in-process)."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    _received.clear()
-    old = {}
-    for sig, handler in ((signal.SIGTERM, _terminate), (signal.SIGHUP, _terminate), (signal.SIGINT, _interrupt)):
-        # a signal the caller ignores stays ignored (`nohup` ignores SIGHUP, `cmd &` SIGINT)
-        if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):
-            old[sig] = signal.signal(sig, handler)
-
-    def restore() -> None:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
-
-    return restore
-
-
-def _stopped(signum: int) -> int:
-    if signum == signal.SIGINT:
-        print("erase-tune: interrupted", file=sys.stderr)
-        return 130
-    print(f"erase-tune: terminated by {signal.Signals(signum).name}", file=sys.stderr)
-    return 128 + signum
-
-
 def _printable_output() -> None:
     """Characters the terminal's encoding lacks (``PYTHONIOENCODING=ascii`` and a study named
     ``étude``) are written as escapes instead of ending the command in a traceback."""
@@ -438,7 +379,7 @@ def _output_failed(e: OSError) -> str | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     _printable_output()
-    restore = _on_signals()
+    restore = on_signals()
     ns = None
     try:
         ns = build_parser().parse_args(argv)
@@ -450,7 +391,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _configure_logging(ns)
         code = ns.func(ns)
         sys.stdout.flush()  # a full disk or a closed pipe shows here, not in the exit's own flush
-        return _stopped(_received[0]) if _received else code
+        return stopped(received[0]) if received else code
     except OSError as e:
         message = _output_failed(e)
         if message is None:
@@ -466,14 +407,14 @@ def main(argv: Sequence[str] | None = None) -> int:
               "not installed: pip install 'erase-tune[tune]'", file=sys.stderr)
         return 2
     except EraseTuneError as e:
-        if _received:  # what failed was stopped by the signal: say that, once
-            return _stopped(_received[0])
+        if received:  # what failed was stopped by the signal: say that, once
+            return stopped(received[0])
         print(f"erase-tune: error: {one_line(e, squeeze=True)}", file=sys.stderr)
         return int(getattr(e, "exit_code", 2))
     except Terminated as e:
-        return _stopped(e.signum)
+        return stopped(e.signum)
     except KeyboardInterrupt:  # a library may have turned our Terminated into a plain one
-        return _stopped(_received[0] if _received else signal.SIGINT)
+        return stopped(received[0] if received else signal.SIGINT)
     finally:
         restore()
 

@@ -1,5 +1,5 @@
-"""Process-global side effects (signal handlers, the import path) are decided in cli.py only
-(and in the benchmark runner's cases, which run as a process of their own).
+"""Process-global side effects (signal handlers, the import path) are decided in cli.py and its
+signal module only (and in the benchmark runner's cases, which run as a process of their own).
 
 The end-to-end behaviour (SIGTERM during ``erase-tune start`` ends the job as Ctrl-C does,
 exit 143; the driver imports a workload shipped with ``--py-module``) is tested through real
@@ -13,12 +13,12 @@ import signal
 import sys
 from pathlib import Path
 
-from erase_tune import cli
+from erase_tune import _signals, cli
 from erase_tune.tune.execute.executor import import_dirs
 from erase_tune.tune.run.job import DriverHooks
 
 PACKAGE = Path(cli.__file__).parent
-EDITS = re.compile(r"signal\.signal\(|sys\.path\.(insert|append|extend|remove)\(|sys\.path\s*(\+)?=[^=]")
+EDITS = re.compile(r"signal\.(signal|set_wakeup_fd)\(|sys\.path\.(insert|append|extend|remove)\(|sys\.path\s*(\+)?=[^=]")
 
 
 def test_only_the_cli_changes_signal_handlers_or_the_import_path():
@@ -26,7 +26,8 @@ def test_only_the_cli_changes_signal_handlers_or_the_import_path():
     # as the CLI's commands do: a case may stop its ranks on a signal or import the tests' models.
     runner = PACKAGE / "benchmarks"
     offenders = [f"{path.relative_to(PACKAGE.parent)}:{n}"
-                 for path in sorted(PACKAGE.rglob("*.py")) if path.name != "cli.py" and runner not in path.parents
+                 for path in sorted(PACKAGE.rglob("*.py"))
+                 if path.name not in ("cli.py", "_signals.py") and runner not in path.parents
                  for n, line in enumerate(path.read_text().splitlines(), 1) if EDITS.search(line)]
     assert not offenders, offenders
 
@@ -55,14 +56,14 @@ def test_the_cli_puts_its_sigterm_handler_back_after_ray_replaces_it():
 
     original = signal.signal(signal.SIGTERM, mine)
     try:
-        put_back = cli._sigterm_kept()
+        put_back = _signals.sigterm_kept()
         signal.signal(signal.SIGTERM, rays)
         put_back()
         assert signal.getsignal(signal.SIGTERM) is mine
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a handler that is no function: SIGTERM still ends it
-        put_back = cli._sigterm_kept()
+        put_back = _signals.sigterm_kept()
         signal.signal(signal.SIGTERM, rays)
         put_back()
-        assert signal.getsignal(signal.SIGTERM) is cli._terminate
+        assert signal.getsignal(signal.SIGTERM) is _signals.terminate
     finally:
         signal.signal(signal.SIGTERM, original)

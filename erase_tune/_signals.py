@@ -1,0 +1,155 @@
+"""How a command ends on Ctrl-C, SIGTERM and SIGHUP: one line, exit 130 / 143 / 129.
+
+The first signal raises where the command stands (``KeyboardInterrupt``, or
+:class:`~erase_tune.errors.Terminated`, one of its kind), so it unwinds as Ctrl-C would:
+trials cancelled, the job marked interrupted, storage left consistent. Two things can keep
+that from happening, both seen with users' workload factories: code that catches the
+exception and carries on (``except BaseException: pass``), and a long computation in C
+(one huge matrix product) during which Python cannot run the handler at all. So a watcher
+thread hears every signal through :func:`signal.set_wakeup_fd`, which the interpreter writes
+from the C-level handler at once: if the command has not ended 2 s after the first signal, it
+says what it waits for; a second signal ends the process at once, without the unwinding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from erase_tune.errors import Terminated
+
+__all__ = ["on_signals", "received", "stopped", "sigterm_kept", "terminate"]
+
+SAY_AFTER_S = 2.0
+"""How long after the first signal the command says, if it is still running, what it waits for."""
+
+received: list[int] = []
+"""Signals received while a command ran. Some servers (the dashboard's) catch KeyboardInterrupt
+themselves and return normally: the command's exit must still say it was stopped."""
+
+_HANDLED = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+
+def terminate(signum: int, frame: Any) -> None:
+    received.append(signum)
+    raise Terminated(signum)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    received.append(signum)
+    raise KeyboardInterrupt
+
+
+def stopped(signum: int) -> int:
+    """Say that the command was stopped by ``signum``; its exit code (128 + N, as a shell reports it)."""
+    print(_stopped_line(signum), file=sys.stderr)
+    return 128 + signum
+
+
+def _stopped_line(signum: int) -> str:
+    if signum == signal.SIGINT:
+        return "erase-tune: interrupted"
+    return f"erase-tune: terminated by {signal.Signals(signum).name}"
+
+
+def _say(line: str) -> None:
+    """Write a line to standard error from the watcher thread: straight to the descriptor, past
+    Python's stream and its lock, which the main thread may hold where the signal found it."""
+    with contextlib.suppress(OSError):
+        os.write(2, (line + "\n").encode("utf-8", "backslashreplace"))
+
+
+class _Watcher:
+    """Reads the signal numbers the interpreter writes to the wakeup pipe, on its own thread."""
+
+    def __init__(self) -> None:
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)  # set_wakeup_fd requires it
+        self._old_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        self._first: threading.Timer | None = None
+        self._thread = threading.Thread(target=self._run, name="erase-tune-signals", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        heard: list[int] = []
+        while True:
+            try:
+                data = os.read(self._read, 64)
+            except OSError:
+                return
+            if not data:  # the write end was closed: the command is over
+                return
+            for signum in data:
+                if signum not in _HANDLED:
+                    continue
+                heard.append(signum)
+                if len(heard) == 1:
+                    self._first = threading.Timer(SAY_AFTER_S, self._still_running, args=(signum,))
+                    self._first.daemon = True
+                    self._first.start()
+                else:
+                    self._exit_now(signum)
+
+    @staticmethod
+    def _still_running(signum: int) -> None:
+        what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        waits = "stopping" if received else "stopping once the running computation returns"
+        _say(f"{what} received: {waits} (send it again to end at once, skipping the clean-up)")
+
+    @staticmethod
+    def _exit_now(signum: int) -> None:
+        _say(_stopped_line(signum) + " (at once: a second signal)")
+        os._exit(128 + signum)
+
+    def close(self) -> None:
+        if self._first is not None:
+            self._first.cancel()
+        with contextlib.suppress(ValueError, OSError):
+            signal.set_wakeup_fd(self._old_fd)
+        os.close(self._write)  # the thread reads EOF and ends
+        self._thread.join(timeout=1)
+        with contextlib.suppress(OSError):
+            os.close(self._read)
+
+
+def on_signals() -> Callable[[], None]:
+    """Install the handlers (and the watcher) for one command; returns what puts the previous
+    ones back (``main`` may be called in-process). Only the main thread can do this."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    received.clear()
+    old = {}
+    for sig, handler in ((signal.SIGTERM, terminate), (signal.SIGHUP, terminate), (signal.SIGINT, _interrupt)):
+        # a signal the caller ignores stays ignored (`nohup` ignores SIGHUP, `cmd &` SIGINT)
+        if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):
+            old[sig] = signal.signal(sig, handler)
+    watcher = _Watcher() if old else None
+
+    def restore() -> None:
+        if watcher is not None:
+            watcher.close()
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+    return restore
+
+
+def sigterm_kept() -> Callable[[], None]:
+    """What puts this command's SIGTERM handler back once Ray is up: ray.init installs one of its
+    own, which exits without cancelling anything. SIGTERM (timeout, Kubernetes, ``ray job stop``)
+    then ends the command as Ctrl-C does (``start``: trials cancelled and failed, the job marked
+    interrupted), exit 143 with one line. A handler that is no function (SIGTERM ignored) becomes ours."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    handler = signal.getsignal(signal.SIGTERM)
+    kept = handler if callable(handler) else terminate
+
+    def put_back() -> None:
+        signal.signal(signal.SIGTERM, kept)
+
+    return put_back

@@ -1,0 +1,89 @@
+"""A workload factory that will not stop: Ctrl-C is still heard.
+
+The first signal raises where the command stands. A factory may catch that and carry on, or
+sit in one long call into C, where Python cannot run a handler at all. Either way the command
+says within a few seconds what it waits for, and a second signal ends it at once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FACTORIES = '''
+import hashlib, pathlib, time
+
+def _started():
+    pathlib.Path("started").write_text("yes")
+
+def swallows():
+    _started()
+    while True:
+        try:
+            time.sleep(0.05)
+        except BaseException:  # a factory that eats Ctrl-C
+            pass
+
+def stuck_in_c():
+    _started()
+    hashlib.pbkdf2_hmac("sha256", b"x", b"y", 10**9)  # minutes in one call into C
+'''
+
+
+def _catches(pid: int, sig: int) -> bool:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
+
+
+def _wait_for(what: str, ok, proc: subprocess.Popen, limit: float = 120) -> None:
+    deadline = time.monotonic() + limit
+    while not ok():
+        assert proc.poll() is None, f"ended before {what}"
+        assert time.monotonic() < deadline, f"no {what} within {limit:.0f}s"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize(("factory", "says"), [
+    ("swallows", "Ctrl-C received: stopping (send it again"),
+    ("stuck_in_c", "Ctrl-C received: stopping once the running computation returns"),
+])
+def test_a_factory_that_does_not_stop_is_ended_by_a_second_ctrl_c(tmp_path, factory, says):
+    (tmp_path / "stubborn.py").write_text(FACTORIES)
+    (tmp_path / "plan.yaml").write_text("cuts: []\n")
+    proc = subprocess.Popen([sys.executable, "-m", "erase_tune", "trial", "--workload", f"stubborn:{factory}",
+                             "--plan", "plan.yaml"], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    reader.start()
+    try:
+        _wait_for("factory start", (tmp_path / "started").exists, proc)
+        _wait_for("signal handlers", lambda: _catches(proc.pid, signal.SIGTERM), proc)
+        proc.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        # 2 s after the signal the note is due; allow a loaded machine its scheduling delay
+        _wait_for("note of what it waits for", lambda: any(says in line for line in list(lines)), proc, limit=30)
+        assert time.monotonic() - sent >= 1.5, "the note came before its time: " + "".join(lines)
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 130
+        reader.join(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err = "".join(lines)
+    assert "Traceback" not in err, err
+    assert [line for line in err.splitlines() if line.startswith("erase-tune:")] == \
+        ["erase-tune: interrupted (at once: a second signal)"], err
