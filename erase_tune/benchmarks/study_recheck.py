@@ -51,7 +51,7 @@ def study_recheck(ns: Options, ctx: Context) -> dict[str, Any]:
         raise EraseTuneError("study_recheck: --storage and --study name the study to re-measure")
     db = open_storage(ns.storage, must_exist=True, upgrade=False)
     try:
-        study = open_study(db.optuna, ns.study)
+        study = open_study(db, ns.study)
         job = db.store.get_job(ns.study)
         trials = measured(study)
     finally:

@@ -26,7 +26,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import optuna
@@ -84,9 +84,17 @@ class Storage:
         self.store.close()
         self.optuna.rdb.engine.dispose()
 
-    # -- what the service does to a study's trials beside Optuna's Study API ------------------
-    # (studies are opened on ``optuna``; these are the storage-level calls the driver makes,
-    # every one retried like any other)
+    # -- studies, and what the service does to their trials beside Optuna's Study API ----------
+    # (the storage-level calls the driver makes, every one retried like any other)
+
+    def study(self, name: str, *, directions: Sequence[str] | None = None,
+              sampler: optuna.samplers.BaseSampler | None = None) -> optuna.Study:
+        """The study ``name`` on this storage, every call it makes retried. With ``directions``
+        it is created when it is not there yet; without, it must be there."""
+        if directions is None:
+            return optuna.load_study(study_name=name, storage=self.optuna, sampler=sampler)
+        return optuna.create_study(storage=self.optuna, study_name=name, sampler=sampler, directions=list(directions),
+                                   load_if_exists=True)
 
     def study_names(self) -> list[str]:
         """The studies in this storage, by name."""

@@ -9,6 +9,7 @@ import optuna
 from optuna.trial import TrialState, create_trial
 
 from erase_tune.store import Store
+from erase_tune.store.storage import open_storage
 from erase_tune.tune.run.loop import SYSTEMATIC_FAILURES, systematic_failure
 from erase_tune.tune.search.study import Attr, open_study
 from tests.tune.conftest import run_cli
@@ -24,7 +25,7 @@ def _failed(reason: str, plan: str) -> optuna.trial.FrozenTrial:
 
 def test_which_failures_are_systematic(tmp_path):
     url = f"sqlite:///{tmp_path / 'rules.db'}"
-    study = open_study(optuna.storages.RDBStorage(url), "rules")
+    study = open_study(open_storage(url), "rules")
     nan = "candidate: training loss became nan ({plan})"
     for plan in ("subarchs.0@s1", "subarchs.1@s1"):
         study.add_trial(_failed(nan.format(plan=plan), plan))
@@ -35,13 +36,13 @@ def test_which_failures_are_systematic(tmp_path):
     assert line == f"the first {SYSTEMATIC_FAILURES} trials all failed the same way: " + nan.format(plan="subarchs.12@s1")
 
     # Different reasons are not systematic.
-    other = open_study(optuna.storages.RDBStorage(url), "mixed")
+    other = open_study(open_storage(url), "mixed")
     for reason in ("timed out after 60s", "CUDA out of memory: tried to allocate 2 GiB", "timed out after 60s"):
         other.add_trial(_failed(reason, "p"))
     assert systematic_failure(other) is None
 
     # The baseline failing stops at once; a measured trial means nothing is systematic.
-    base = open_study(optuna.storages.RDBStorage(url), "base")
+    base = open_study(open_storage(url), "base")
     base.add_trial(_failed("baseline: training loss became nan (no cuts; 0 side stream(s), blocking)", "x@s1"))
     assert systematic_failure(base).startswith("the baseline cannot run, so no trial can: baseline: training loss")
     base.add_trial(create_trial(state=TrialState.COMPLETE, values=[0.1, 0.0], user_attrs={Attr.PLAN: {}}))

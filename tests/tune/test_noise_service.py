@@ -68,7 +68,7 @@ def test_noise_floor_feasibility_resume_status_and_quality(storage_url, ray_clus
     space = SearchSpace.load(space_path)
     executor = RayExecutor(None, workload=space.workload, slots=1, device="cpu")
     try:
-        study = optuna.load_study(study_name="nf", storage=db.optuna)
+        study = db.study("nf")
         front = pareto_front(study, 0.001)
         done = confirm_quality_front(db, study, space, executor, front)
     finally:

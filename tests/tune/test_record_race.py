@@ -55,7 +55,7 @@ def _open(url: str) -> Storage:
 
 
 def _driver(db: Storage) -> Recorder:
-    study = open_study(db.optuna, NAME)
+    study = open_study(db, NAME)
     job = db.store.create_job(study_name=NAME, space_path="ctr-smoke.yaml", space_yaml=SPACE.text,
                               workload=SPACE.workload, get_or_create=True)
     return Recorder(study=study, storage=db, job=job, space=SPACE)

@@ -17,7 +17,7 @@ def test_sampler_proposes_valid_plans_and_respects_the_ne_budget(name, tmp_path)
     space = SearchSpace.loads(SPACE, source="test.yaml")
     bound = BoundSpace.unchecked(space, CANDIDATES)
     db = open_storage(f"sqlite:///{tmp_path / 's.db'}")
-    study = open_study(db.optuna, f"s-{name}", sampler=make_sampler(name, seed=0))
+    study = open_study(db, f"s-{name}", sampler=make_sampler(name, seed=0))
     assert study.metric_names == ["qps_gain", "ne_gap"]
     study_id = db.optuna.get_study_id_from_name(f"s-{name}")
     for i in range(12):

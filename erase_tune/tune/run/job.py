@@ -291,7 +291,7 @@ def _create_job(job: _Job, space: SearchSpace) -> None:
     refused before anything runs."""
     db, name, target = job.db, job.name, job.target
     with db.lock(f"study:{name}"):
-        _check_resumable(open_study(db.optuna, name), space, name)
+        _check_resumable(open_study(db, name), space, name)
         db.store.create_job(study_name=name, space_path=job.space_path, space_yaml=space.text,
                             workload=space.workload, settings={"trials": target}, n_trials_target=target,
                             get_or_create=True)
@@ -312,7 +312,7 @@ def _prepare_loop(job: _Job, space: SearchSpace, checked: BoundSpace,
             log.info("whole-step CUDA graph: this model's step cannot be captured whole (%s): trials run "
                      "without the graph reference%s", reference_error, dropped)
         with db.lock(f"study:{name}"):
-            floor = open_study(db.optuna, name).user_attrs.get(Attr.NOISE_FLOOR)
+            floor = open_study(db, name).user_attrs.get(Attr.NOISE_FLOOR)
         band = float(floor["band"]) if floor else 0.0
         loop = _set_up(job, space, checked, on_progress, reference_error, band)
     except BaseException as e:
@@ -370,7 +370,7 @@ def _noise_floor(db: Storage, space: SearchSpace, name: str, executor: RayExecut
     on a trial slot (once per study: a driver that finds one stored meanwhile takes that one).
     Returns (floor dict or None when ``noise_repeats`` is 0, whether it was measured here)."""
     with db.lock(f"study:{name}"):
-        study = open_study(db.optuna, name)
+        study = open_study(db, name)
         _check_resumable(study, space, name)
         stored = study.user_attrs.get(Attr.NOISE_FLOOR)
     if stored is not None or not space.budget.noise_repeats:
@@ -402,7 +402,7 @@ def _preflight(db: Storage, space: SearchSpace, name: str,
     """Once per job, on a worker (see the module docstring): the space to run (``whole_step_graph``
     limited to false and the reference off when the step cannot be captured whole), why it
     cannot (or None), and the baseline's step cost (None when it could not be measured)."""
-    study = open_study(db.optuna, name)
+    study = open_study(db, name)
     tuned = study.user_attrs.get(Attr.WORKLOAD)
     if tuned is not None and tuned != {"name": space.workload, "args": dict(space.workload_args)}:
         return space, None, None  # another workload's study: _set_up refuses it
@@ -499,7 +499,7 @@ def _set_up(job: _Job, space: SearchSpace, checked: BoundSpace, on_progress: Cal
     workload_attr = {"name": space.workload, "args": dict(space.workload_args)}
     checked = checked.rebind(space)  # the space as narrowed by the graph reference
     with db.lock(f"study:{name}"):
-        study = open_study(db.optuna, name)
+        study = open_study(db, name)
         _check_resumable(study, space, name)
         drivers = int(study.user_attrs.get(Attr.DRIVERS, 0))
         for key, value in ((Attr.WORKLOAD, workload_attr), (Attr.MAX_NE_GAP, space.max_ne_gap),

@@ -90,11 +90,9 @@ def make_sampler(name: str, seed: int | None, max_ne_gap: float | None = None,
     raise EraseTuneError(f"sampler: {name!r} is not one of {', '.join(SAMPLERS)}")
 
 
-def open_study(storage: optuna.storages.BaseStorage, study_name: str, *,
-               sampler: optuna.samplers.BaseSampler | None = None) -> optuna.Study:
+def open_study(db: Storage, study_name: str, *, sampler: optuna.samplers.BaseSampler | None = None) -> optuna.Study:
     """Create the job's study, or load it to resume; objective names are set either way."""
-    study = optuna.create_study(storage=storage, study_name=study_name, sampler=sampler,
-                                directions=list(DIRECTIONS), load_if_exists=True)
+    study = db.study(study_name, directions=DIRECTIONS, sampler=sampler)
     if [d.name.lower() for d in study.directions] != list(DIRECTIONS):
         raise EraseTuneError(f"study {shown(study_name)} exists with other objectives; choose another study name")
     if study.metric_names != list(METRIC_NAMES):
@@ -256,7 +254,7 @@ def load_study(db: Storage, study_name: str | None) -> optuna.Study:
         study_name = names[0]
     if study_name not in names:
         raise EraseTuneError(f"no study named {shown(study_name)} in {db.url} (studies: {', '.join(names) or 'none'})")
-    study = optuna.load_study(study_name=study_name, storage=db.optuna)
+    study = db.study(study_name)
     if [d.name.lower() for d in study.directions] != list(DIRECTIONS):  # a study made with Optuna itself
         got = ", ".join(d.name.lower() for d in study.directions)
         raise EraseTuneError(f"study {shown(study_name)} is not an erase-tune job: its objectives are ({got}), "
