@@ -25,6 +25,11 @@ from erase_tune.store import redact_url
 
 
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("ERASE_TUNE_LOAD_TESTS") != "1":
+        load = pytest.mark.skip(reason="a load test of minutes: run with ERASE_TUNE_LOAD_TESTS=1")
+        for item in items:
+            if "load" in item.keywords:
+                item.add_marker(load)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

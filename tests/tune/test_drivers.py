@@ -1,14 +1,24 @@
 """Several drivers, one study: the target is the study's, no plan is measured twice, and
-schema set-up is safe when drivers start at the same moment on a fresh database."""
+schema set-up is safe when drivers start at the same moment on a fresh database.
+
+The load test (marker ``load``, run with ``ERASE_TUNE_LOAD_TESTS=1``: about 8 minutes on two
+cores) starts three drivers beside two CPU-burning processes, so the drivers, their private
+local Rays, their trial workers and PostgreSQL all compete for the machine: the load under
+which drivers once raced on a finished trial."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import optuna
+import pytest
 from optuna.trial import TrialState
+from sqlalchemy import create_engine, text
+from sqlalchemy.pool import NullPool
 
 from erase_tune.store import Store
 from tests.tune.conftest import ROOT
@@ -57,3 +67,44 @@ def test_two_drivers_on_one_sqlite_file(tmp_path):
     measured = [t for t in trials if t.state == TrialState.COMPLETE and "duplicate_of" not in t.user_attrs]
     assert len(measured) == 4 and len({t.user_attrs["plan_key"] for t in measured}) == 4
     assert not [t for t in trials if t.state == TrialState.RUNNING]
+
+
+@contextlib.contextmanager
+def cpu_burners(n: int = 2) -> Iterator[None]:
+    """``n`` processes spinning on the CPU for as long as the block runs."""
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for b in burners:
+            b.kill()
+            b.wait()
+
+
+@pytest.mark.load
+def test_three_drivers_beside_cpu_burners(pg_url, tmp_path):
+    """3 drivers (each its own local Ray) and 6 trials, started at once on an empty database
+    beside two CPU burners on a two-core machine: every driver exits 0 without a traceback,
+    exactly 6 measured, no plan measured twice, and the outcomes stored as complete are exactly
+    the trials Optuna holds as measured (none lost, none recorded for a trial another driver
+    or the reaper had already finished). The trial limit allows for the load: a trial of
+    seconds takes minutes here."""
+    space = write_space(tmp_path / "load.yaml", cuts={"candidates": ["subarchs.0", "subarchs.1", "subarchs.2",
+                                                                     "subarchs.3"], "max_streams": 1},
+                        sampler={"name": "tpe", "seed": 0}, trials=6, budget={"timeout_s": 600})
+    with cpu_burners(2):
+        done = _drivers(3, ["start", "--space", str(space), "--study", "load", "--storage", pg_url, "--slots", "1",
+                            "--no-confirm"], tmp_path)
+    for d in done:
+        assert d.returncode == 0, d.stderr[-3000:]
+        assert "Traceback" not in d.stderr, d.stderr[-3000:]
+    trials = optuna.load_study(study_name="load", storage=pg_url).get_trials()
+    assert len({t.number for t in trials}) == len(trials)
+    assert not [t for t in trials if t.state == TrialState.RUNNING]
+    measured = [t for t in trials if t.state == TrialState.COMPLETE and "duplicate_of" not in t.user_attrs]
+    assert len(measured) == 6 and len({t.user_attrs["plan_key"] for t in measured}) == 6
+    engine = create_engine(pg_url, poolclass=NullPool)
+    with engine.connect() as conn:
+        rows = conn.execute(text("SELECT trial_number, status FROM et_trial_outcomes")).all()
+    engine.dispose()
+    assert sorted(n for n, status in rows if status == "complete") == sorted(t.number for t in measured), rows
