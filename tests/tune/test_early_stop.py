@@ -72,9 +72,9 @@ def test_trials_failing_for_different_reasons_do_not_stop_the_job(ray_cluster, t
     url = f"sqlite:///{tmp_path / 'mixed.db'}"
     space = write_space(tmp_path / "mixed.yaml", workload=FAULTY,
                         args={"mode": "raise,hang,raise", "tickets": str(tickets)},
-                        budget={"timeout_s": 5}, trials=4)
+                        budget={"timeout_s": 15}, trials=4)
     assert run_cli("start", "--space", space, "--study", "mixed", "--storage", url, "--slots", 1, "--no-confirm") == 0
     assert "study mixed: 4 complete, 3 failed" in capsys.readouterr().out
     reasons = sorted(t.user_attrs[Attr.FAILURE] for t in optuna.load_study(study_name="mixed", storage=url).get_trials()
                      if t.state == TrialState.FAIL)
-    assert len(reasons) == 3 and reasons[-1] == "timed out after 5s" and "planted failure" in reasons[0]
+    assert len(reasons) == 3 and reasons[-1] == "timed out after 15s" and "planted failure" in reasons[0]
