@@ -76,7 +76,6 @@ class _Watcher:
         self._thread.start()
 
     def _run(self) -> None:
-        heard: list[int] = []
         while True:
             try:
                 data = os.read(self._read, 64)
@@ -87,8 +86,7 @@ class _Watcher:
             for signum in data:
                 if signum not in _HANDLED:
                     continue
-                heard.append(signum)
-                if len(heard) == 1:
+                if self._first is None:  # the first signal: its handler raises where the command stands
                     self._first = threading.Timer(SAY_AFTER_S, self._still_running, args=(signum,))
                     self._first.daemon = True
                     self._first.start()
