@@ -117,23 +117,38 @@ class _Watcher:
 
 def on_signals() -> Callable[[], None]:
     """Install the handlers (and the watcher) for one command; returns what puts the previous
-    ones back (``main`` may be called in-process). Only the main thread can do this."""
+    ones back (``main`` may be called in-process). Only the main thread can do this.
+
+    The watcher starts first and the handlers last, so a signal that arrives while this runs
+    (the test suite sends one the moment SIGTERM is caught) raises only after there is
+    something to stop; if it raises in here, what was installed is put back before it goes on
+    to the caller, whose ``try`` ends the command as any other signal would."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
     received.clear()
-    old = {}
-    for sig, handler in ((signal.SIGTERM, terminate), (signal.SIGHUP, terminate), (signal.SIGINT, _interrupt)):
-        # a signal the caller ignores stays ignored (`nohup` ignores SIGHUP, `cmd &` SIGINT)
-        if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):
-            old[sig] = signal.signal(sig, handler)
-    watcher = _Watcher() if old else None
+    old: dict[int, Any] = {}
+    watcher: list[_Watcher] = []
 
     def restore() -> None:
-        if watcher is not None:
-            watcher.close()
-        for sig, handler in old.items():
+        while watcher:
+            watcher.pop().close()
+        while old:
+            sig, handler = old.popitem()
             signal.signal(sig, handler)
 
+    # a signal the caller ignores stays ignored (`nohup` ignores SIGHUP, `cmd &` SIGINT)
+    ours = [(sig, handler) for sig, handler in ((signal.SIGTERM, terminate), (signal.SIGHUP, terminate),
+                                                (signal.SIGINT, _interrupt))
+            if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler)]
+    try:
+        if ours:
+            watcher.append(_Watcher())
+        for sig, handler in ours:
+            old[sig] = signal.getsignal(sig)
+            signal.signal(sig, handler)
+    except BaseException:
+        restore()
+        raise
     return restore
 
 

@@ -379,9 +379,10 @@ def _output_failed(e: OSError) -> str | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     _printable_output()
-    restore = on_signals()
+    restore: Callable[[], None] = lambda: None  # noqa: E731 - a signal may arrive while on_signals installs
     ns = None
     try:
+        restore = on_signals()
         ns = build_parser().parse_args(argv)
         # As `python -m` does: a user's `package.module:factory` next to where the command runs
         # imports without installing it (the console script alone would not look there).

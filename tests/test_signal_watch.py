@@ -87,3 +87,28 @@ def test_a_factory_that_does_not_stop_is_ended_by_a_second_ctrl_c(tmp_path, fact
     assert "Traceback" not in err, err
     assert [line for line in err.splitlines() if line.startswith("erase-tune:")] == \
         ["erase-tune: interrupted (at once: a second signal)"], err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_the_handlers_are_being_installed_ends_the_command_in_one_line(sig):
+    """The moment a handler is in place a signal may arrive (a supervisor that sends SIGTERM as
+    soon as the process catches it): it ends the command as any other signal, 128+N and one line,
+    not with a traceback from the set-up that was still running."""
+    code = f'''
+import os, signal, sys
+import erase_tune._signals as s
+original = signal.signal
+def install(signum, handler):
+    previous = original(signum, handler)
+    if signum == {int(sig)} and handler in (s.terminate, s._interrupt):
+        os.kill(os.getpid(), {int(sig)})  # arrives before on_signals returns
+    return previous
+signal.signal = install
+from erase_tune.cli import main
+sys.exit(main(["--help"]))
+'''
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 128 + sig, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "erase-tune: interrupted" if sig == signal.SIGINT else "erase-tune: terminated by SIGTERM"], out.stderr
