@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,6 +40,31 @@ def ray_cluster() -> Iterator[None]:
              object_store_memory=256 * 1024**2)
     yield
     ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _ray_cluster_given_back() -> Iterator[None]:
+    """A test on the shared cluster gives back every CPU it took: a placement group left behind
+    holds its CPUs, and a later test that needs them waits until its limit (10 minutes) and fails
+    for a reason that is not its own. The leak fails the test that left it, and is cleared."""
+    yield
+    ray = sys.modules.get("ray")  # a test without the fixture may join the cluster in-process too
+    if ray is None or not ray.is_initialized():
+        return
+    total = ray.cluster_resources().get("CPU", 0)
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("CPU", 0) < total and time.monotonic() < deadline:
+        time.sleep(0.2)
+    held = total - ray.available_resources().get("CPU", 0)
+    if held <= 0:
+        return
+    groups = [pg for pg, info in ray.util.placement_group_table().items() if info["state"] != "REMOVED"]
+    from ray.util.placement_group import PlacementGroup, PlacementGroupID
+
+    for pg in groups:
+        ray.util.remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(pg))))
+    pytest.fail(f"the test left {held:g} of {total:g} CPU(s) held on the shared Ray cluster "
+                f"({len(groups)} placement group(s) not removed)")
 
 
 def run_cli(*argv: object) -> int:
