@@ -164,3 +164,49 @@ class _fresh:
 
     def __exit__(self, *exc: object) -> None:
         self.db.close()
+
+
+@pytest.mark.parametrize("moved_on", ["plan measured since", "target reached"])
+def test_a_measurement_failed_as_stale_is_not_kept_once_the_study_moved_on(storage_url, moved_on, measured_outcome):
+    """A driver paused past the grace period (SIGSTOP, a swapped-out VM) comes back with a
+    measurement another driver failed as stale. Meanwhile the other driver went on: it measured
+    the same plan again, or it filled the study to the job's target. Adding the measurement
+    as a new trial would leave a plan measured twice, or more trials than ``--trials``: it is
+    not kept, and the trial's row says why."""
+    out = measured_outcome
+    db, other_db = _open(storage_url), _open(storage_url)
+    try:
+        target = 1 if moved_on == "target reached" else 5
+        job = db.store.create_job(study_name=NAME, space_path="ctr-smoke.yaml", space_yaml=SPACE.text,
+                                  workload=SPACE.workload, n_trials_target=target, get_or_create=True)
+        rec = Recorder(study=open_study(db, NAME), storage=db, job=job, space=SPACE)
+        paused = rec.study.ask()
+        key = PLAN.dumps()
+        paused.set_user_attr(Attr.PLAN_KEY, key)
+        db.optuna.record_heartbeat(rec.trial_id(paused.number))
+        time.sleep(2.5)  # the paused driver's heartbeat is older than the grace period now
+        other = _driver(other_db)
+        optuna.storages.fail_stale_trials(other.study)
+        assert other_db.trial(other.trial_id(paused.number)).state == TrialState.FAIL
+        again = other.study.ask()  # the other driver carries on: the same plan, or another one
+        other_plan = PLAN if moved_on == "plan measured since" else ErasePlan()
+        other_key = other_plan.dumps()
+        again.set_user_attr(Attr.PLAN, other_plan.to_dict())  # as the loop does
+        again.set_user_attr(Attr.PLAN_KEY, other_key)
+        other.record(again.number, other_key, dataclasses.replace(out, trial_number=again.number), 1)
+
+        message = rec.record(paused.number, key, out, 1)  # the paused driver resumes
+
+        assert "not kept" in message and ("measured since as trial" in message if moved_on == "plan measured since"
+                                          else "holds its 1 measured trial(s)" in message), message
+        with _fresh(storage_url) as fresh:
+            fresh_rec = _driver(fresh)
+            trials = fresh_rec.study.get_trials()
+            assert [t.user_attrs.get(REPLAYED_FROM) for t in trials] == [None, None]  # no copy added
+            assert [t.state for t in trials] == [TrialState.FAIL, TrialState.COMPLETE]
+            row = fresh.store.outcome(fresh_rec.job, paused.number)
+            assert row is not None and row.status == "failed" and "not kept" not in row.failure_reason
+            assert ("measured since" if moved_on == "plan measured since" else "holds its 1") in row.failure_reason
+    finally:
+        db.close()
+        other_db.close()

@@ -19,7 +19,11 @@ study is told). Whatever the other party stored is kept as it is, and one line i
 - finished COMPLETE: that is this very outcome, replayed from the journal; nothing is added.
 - failed, and this outcome is a measurement: the measurement is valid (the trial ran; only
   its heartbeat lapsed), so it is added to the study as a new trial (user attribute
-  ``replayed_from``), once: a later replay finds that trial and adds nothing.
+  ``replayed_from``), once: a later replay finds that trial and adds nothing. Not when the
+  study has moved on meanwhile (a driver paused past the grace period, resumed after the
+  others carried on): if its plan was measured since, or the study holds the job's target of
+  measured trials already, the measurement is not added (the study would hold a plan twice,
+  or more trials than ``--trials``); the trial's row says why it was not kept.
 - failed, and this outcome is a failure: nothing is added.
 
 erase-tune's row for the trial (``et_trial_outcomes``) is then written only if it has none
@@ -42,7 +46,7 @@ from erase_tune.tune.execute.outcome import Failure, TrialOutcome
 from erase_tune.tune.search.space import SearchSpace
 from erase_tune.measure.confirm import baseline_plan
 from erase_tune.measure.noise import feasible
-from erase_tune.tune.search.study import CONSTRAINTS, Attr, constraint, metric_attrs, objective_values
+from erase_tune.tune.search.study import CONSTRAINTS, Attr, constraint, measured, metric_attrs, objective_values
 
 __all__ = ["Recorder", "REPLAYED_FROM"]
 
@@ -111,6 +115,9 @@ class Recorder:
             attrs.update({Attr.FAILURE_KIND: failure.kind, Attr.FAILURE: failure.reason})
             message = f"trial {number}: FAILED ({failure.kind}): {failure.reason}"
         held = self._finish(number, values, attrs)
+        if isinstance(held, str):  # a measurement the study has no room for any more: see the module docstring
+            values, failure, held = None, Failure(kind="infra", reason=held), None
+            message = f"{message}; not kept: {failure.reason}"
         rows = [number] if held == number or self.storage.store.outcome(self.job, number) is None else []
         if held is not None and held != number:
             rows.append(held)  # the new trial holding the measurement gets its samples and provenance too
@@ -145,11 +152,12 @@ class Recorder:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _finish(self, number: int, values: list[float] | None, attrs: dict[str, Any]) -> int | None:
+    def _finish(self, number: int, values: list[float] | None, attrs: dict[str, Any]) -> int | str | None:
         """Finish trial ``number`` with ``values`` (None: failed) and ``attrs``; returns the trial
         that holds this outcome now: ``number``, or, when another party had finished it first (see
         the module docstring; also midway through these writes), the new trial holding the
-        measurement, or None (what the other party stored stands alone)."""
+        measurement, or None (what the other party stored stands alone), or why a measurement
+        failed as stale is not kept."""
         db = self.storage
         tid = self.trial_id(number)
         frozen = db.trial(tid)
@@ -172,7 +180,7 @@ class Recorder:
         return self._finished_elsewhere(number, frozen, values, attrs)
 
     def _finished_elsewhere(self, number: int, frozen: FrozenTrial, values: list[float] | None,
-                            attrs: dict[str, Any]) -> int | None:
+                            attrs: dict[str, Any]) -> int | str | None:
         state = frozen.state.name
         if frozen.state != TrialState.FAIL or values is None:
             log.warning("trial %d was already finished (%s) by another driver; kept as stored", number, state)
@@ -184,6 +192,11 @@ class Recorder:
             log.warning("trial %d was failed as stale; its measurement is already stored as trial %d",
                         number, earlier)
             return earlier
+        moved_on = self._moved_on(frozen)
+        if moved_on is not None:
+            log.warning("trial %d was failed as stale by another driver before its result came in; %s, so its "
+                        "measurement is not kept", number, moved_on)
+            return moved_on
         self.study.add_trial(optuna.trial.create_trial(
             params=frozen.params, distributions=frozen.distributions, values=values,
             user_attrs={**frozen.user_attrs, **attrs, REPLAYED_FROM: number},
@@ -192,6 +205,19 @@ class Recorder:
         log.warning("trial %d was failed as stale by another driver before its result came in; "
                     "its measurement is stored as trial %s", number, added)
         return added
+
+    def _moved_on(self, frozen: FrozenTrial) -> str | None:
+        """Why the study has no room any more for the measurement of ``frozen`` (failed as
+        stale), or None: its plan measured by another trial since, or the job's target reached."""
+        done = measured(self.study, self.study.get_trials(deepcopy=False))
+        key = frozen.user_attrs.get(Attr.PLAN_KEY)
+        again = next((t.number for t in done if key is not None and t.user_attrs.get(Attr.PLAN_KEY) == key), None)
+        if again is not None:
+            return f"its plan was measured since as trial {again}"
+        target = self.job.n_trials_target
+        if target is not None and len(done) >= target:
+            return f"the study holds its {target} measured trial(s) already"
+        return None
 
     def _replay_of(self, number: int) -> int | None:
         """The trial holding the measurement of trial ``number`` (failed as stale), if any."""
