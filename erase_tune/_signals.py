@@ -18,12 +18,13 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from erase_tune.errors import Terminated
 
-__all__ = ["on_signals", "received", "stopped", "sigterm_kept", "terminate"]
+__all__ = ["on_signals", "received", "signals_deferred", "stopped", "sigterm_kept", "terminate", "stuck_thread",
+           "exit_past_stuck_threads"]
 
 SAY_AFTER_S = 2.0
 """How long after the first signal the command says, if it is still running, what it waits for."""
@@ -35,14 +36,48 @@ themselves and return normally: the command's exit must still say it was stopped
 _HANDLED = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
 
+_deferring = 0
+"""Depth of :func:`signals_deferred` blocks the main thread is in."""
+_pending: list[int] = []
+"""Signals received inside them, raised when the outermost ends."""
+
+
 def terminate(signum: int, frame: Any) -> None:
     received.append(signum)
+    if _deferring:
+        _pending.append(signum)
+        return
     raise Terminated(signum)
 
 
 def _interrupt(signum: int, frame: Any) -> None:
     received.append(signum)
+    if _deferring:
+        _pending.append(signum)
+        return
     raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Hold the first Ctrl-C, SIGTERM or SIGHUP until the block ends, then raise it as it would
+    have been raised, in place of anything the block raised. For a few writes that must not be
+    cut in half (Optuna's ``ask()``: a trial created RUNNING whose number the caller never
+    learns), never for anything that may block long: a second signal still ends the process
+    at once. Main thread only, as the handlers run there."""
+    global _deferring
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _deferring += 1
+    try:
+        yield
+    finally:
+        _deferring -= 1
+        if not _deferring and _pending:
+            signum = _pending[0]
+            _pending.clear()
+            raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)  # noqa: B012
 
 
 def stopped(signum: int) -> int:
@@ -166,3 +201,24 @@ def sigterm_kept() -> Callable[[], None]:
         signal.signal(signal.SIGTERM, kept)
 
     return put_back
+
+
+_stuck: list[str] = []
+"""Threads left inside a C library that will not return (what each waits for)."""
+
+
+def stuck_thread(what: str) -> None:
+    """Say that a thread was given up inside a C library (Ray waiting for processes that were
+    stopped with this one): the interpreter's own exit would wait for it, or crash in it, so
+    the command ends with ``os._exit`` once it has said its last line."""
+    _stuck.append(what)
+
+
+def exit_past_stuck_threads(code: int) -> None:
+    """End the process now with ``code`` if a thread was given up (:func:`stuck_thread`); else return."""
+    if not _stuck:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)

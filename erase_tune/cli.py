@@ -33,7 +33,7 @@ from typing import Any
 
 from erase_tune import __version__
 from erase_tune._env import check_environment
-from erase_tune._signals import on_signals, received, sigterm_kept, stopped
+from erase_tune._signals import exit_past_stuck_threads, on_signals, received, sigterm_kept, stopped
 from erase_tune.cli_args import (
     Parser,
     bench_args,
@@ -378,6 +378,13 @@ def _output_failed(e: OSError) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    code = _main(argv)
+    if argv is None:  # the process's own command (not a caller in-process): nothing may hold its exit
+        exit_past_stuck_threads(code)
+    return code
+
+
+def _main(argv: Sequence[str] | None) -> int:
     _printable_output()
     restore: Callable[[], None] = lambda: None  # noqa: E731 - a signal may arrive while on_signals installs
     ns = None

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import optuna
@@ -187,3 +188,48 @@ def test_sigterm_ends_the_job_as_interrupted_with_nothing_running(tmp_path):
     assert not [t for t in _trials(url, "term") if t.state == TrialState.RUNNING]
     with Store(url) as store:
         assert store.get_job("term").status == "interrupted"
+
+
+@pytest.mark.parametrize("moment", ["trials", "confirmation"])
+def test_sigterm_to_the_whole_process_group_ends_the_job_within_seconds(tmp_path, moment):
+    """`timeout`, a shell's job control and `kill -- -PGID` signal the driver's whole process
+    group, the local Ray's own processes with it: Ray never answers the driver's clean-up
+    again (each call waits a minute or more for a raylet that is gone). The job still ends
+    within seconds, while trials run or while the front is confirmed: exit 143, one line, the
+    job interrupted, nothing RUNNING."""
+    url = f"sqlite:///{tmp_path / 'group.db'}"
+    space = write_space(tmp_path / "group.yaml", workload="tests.tune.faulty:workload",
+                        args={"mode": "ok", "train_batches": 64}, budget={"quality_steps": 60, "windows": 3},
+                        trials=6 if moment == "trials" else 2)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "ERASE_TUNE_JOURNAL_DIR": str(tmp_path / "journal"),
+           "PYTHONUNBUFFERED": "1"}
+    argv = [sys.executable, "-m", "erase_tune", "start", "--space", str(space), "--study", "group", "--storage", url,
+            "--slots", "1", *(["--no-confirm"] if moment == "trials" else [])]
+    driver = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)  # its own process group, Ray's processes in it
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(driver.stderr), daemon=True)
+    reader.start()
+    try:
+        wait_for = "trial 0:" if moment == "trials" else "re-timing"
+        deadline = time.monotonic() + 180
+        while not any(wait_for in line for line in list(lines)):
+            assert driver.poll() is None, "".join(lines)[-2000:]
+            assert time.monotonic() < deadline, f"no {wait_for!r}: " + "".join(lines)[-2000:]
+            time.sleep(0.1)
+        os.killpg(driver.pid, signal.SIGTERM)
+        sent = time.monotonic()
+        driver.wait(timeout=90)
+        took = time.monotonic() - sent
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait()
+    reader.join(timeout=10)
+    err = "".join(lines)
+    assert driver.returncode == 143, err[-2000:]
+    assert took < 40, f"{took:.0f}s from SIGTERM to the exit"
+    assert err.strip().splitlines()[-1] == "erase-tune: terminated by SIGTERM" and "Traceback" not in err, err[-2000:]
+    assert not [t for t in _trials(url, "group") if t.state == TrialState.RUNNING]
+    with Store(url) as store:
+        assert store.get_job("group").status == "interrupted"

@@ -13,14 +13,17 @@ is replaced after any failure. A hung trial is ended by killing its group's acto
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from erase_tune._signals import stuck_thread
 from erase_tune._env import UPLOAD_ENV, env_mebibytes, env_text
 from erase_tune.errors import EraseTuneError, first_line, shown
 from erase_tune.measure.estimate import duration, phase_limit
@@ -58,6 +61,12 @@ MAX_UPLOAD_FILES = 50_000
 """Most files counted before giving up (a tree that large is not a workload package)."""
 
 log = logging.getLogger(__name__)
+
+CLOSE_LIMIT_S = 15.0
+"""How long :meth:`RayExecutor.close` waits for Ray to release the trial workers. Ray's own
+processes may have been stopped with the driver (a SIGTERM to the whole process group, as
+``timeout``, a shell's job control or ``kill -- -PGID`` send it): then each of its calls
+blocks for a minute or more, waiting for a GCS or raylet that is gone."""
 
 MAX_SLOTS = 1024
 """Most trials in flight at once (a bound on actors created, not a cluster limit seen so far)."""
@@ -302,6 +311,36 @@ class RayExecutor:
         return outcome
 
     def close(self) -> None:
+        """Cancel what runs, release the worker groups and stop the Ray this executor started.
+
+        Done on a thread and given up after :data:`CLOSE_LIMIT_S`: a Ray whose processes were
+        stopped too never answers, and the command must still end. It then also drops Ray's
+        exit hook, which would block the same way, and the command ends past the stuck thread
+        (erase_tune._signals.stuck_thread); what is left is Ray's (the workers of a local Ray
+        die with it, a cluster's are fate-shared with this driver)."""
+        box: dict[str, BaseException] = {}
+
+        def work() -> None:
+            try:
+                self._close()
+            except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+                box["error"] = e
+
+        worker = threading.Thread(target=work, name="ray-close", daemon=True)
+        worker.start()
+        worker.join(CLOSE_LIMIT_S)
+        if worker.is_alive():
+            import atexit
+
+            atexit.unregister(self._ray.shutdown)
+            stuck_thread("Ray releasing the trial workers")
+            log.warning("Ray did not answer within %.0fs while releasing the trial workers (its processes may have "
+                        "been stopped with this one); not waiting for it", CLOSE_LIMIT_S)
+            return
+        if "error" in box:
+            raise box["error"]
+
+    def _close(self) -> None:
         for handle in list(self._running.values()):
             self.cancel(handle, "interrupted")
         self._running.clear()
@@ -332,10 +371,15 @@ class RayExecutor:
                                                                      f"{first_line(e)}"))
 
     def _replace(self, group: WorkerGroup) -> None:
-        try:
-            group.destroy()
-        except Exception:  # noqa: BLE001 - its node may be gone already
-            pass
+        """A fresh group in ``group``'s slot; the old one is released on a thread: removing a
+        placement group waits for Ray's answer, which never comes if Ray's processes were
+        stopped with this driver, and the driver must still hear a signal (:meth:`close`)."""
+
+        def release() -> None:
+            with contextlib.suppress(Exception):  # its node may be gone already
+                group.destroy()
+
+        threading.Thread(target=release, name="ray-release-group", daemon=True).start()
         self._groups[self._groups.index(group)] = self._new_group()
 
 

@@ -532,9 +532,21 @@ def _run(db: Storage, loop: Loop, space: SearchSpace, name: str, executor: RayEx
     try:
         loop.run()
     except BaseException as e:
+        _mark_stopped(db, name, e)  # the storage first: Ray may be what stopped with this driver
         loop.abort("interrupted" if isinstance(e, KeyboardInterrupt) else f"driver stopped: {e}")
+        raise
+    try:
+        return _after_trials(db, loop, space, name, executor, confirm_windows, cost)
+    except JobFailed:
+        raise
+    except BaseException as e:  # Ctrl-C or SIGTERM during the confirmation: the job says so too
         _mark_stopped(db, name, e)
         raise
+
+
+def _after_trials(db: Storage, loop: Loop, space: SearchSpace, name: str, executor: RayExecutor,
+                  confirm_windows: int, cost: StepCost | None) -> JobSummary:
+    """Confirm the front (speed, then quality) and end the job with its summary."""
     complete, failed = loop.counts()
     front = pareto_front(loop.study, space.max_ne_gap)
     final = finalists(loop.study, space.max_ne_gap, MAX_CONFIRMED)

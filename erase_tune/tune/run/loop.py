@@ -38,6 +38,7 @@ import optuna
 from optuna.storages import fail_stale_trials
 from optuna.trial import FrozenTrial, TrialState
 
+from erase_tune._signals import signals_deferred
 from erase_tune.runtime import ErasePlan
 from erase_tune.store.storage import Storage, StorageLost
 from erase_tune.measure.trial import BASELINE
@@ -188,12 +189,15 @@ class Loop:
                 if step is not None:
                     self.study.enqueue_trial(step.params, user_attrs={Attr.PHASE: step.phase,
                                                                       Attr.SCREEN_NAME: step.name})
-            trial = self.study.ask()
+            trial = None
             try:
+                with signals_deferred():  # a signal inside ask() would leave its new trial RUNNING and unknown
+                    trial = self.study.ask()
                 admitted = self._propose(trial)
             except BaseException:
-                with contextlib.suppress(Exception), self.storage.once():  # never leave an asked trial RUNNING
-                    self.study.tell(trial, state=TrialState.FAIL)
+                if trial is not None:
+                    with contextlib.suppress(Exception), self.storage.once():  # never leave an asked trial RUNNING
+                        self.study.tell(trial, state=TrialState.FAIL)
                 raise
         if isinstance(admitted, str):
             self._repeats += 1
@@ -309,15 +313,17 @@ class Loop:
         return enough and not running
 
     def abort(self, reason: str) -> None:
-        """Cancel this driver's trials and fail them in the study, so nothing stays RUNNING."""
+        """Fail this driver's trials in the study, so nothing stays RUNNING, then cancel them:
+        the storage first, as Ray may be what stopped (its processes ended with this one)."""
         for inf in self.inflight:
-            if inf.handle is not None:
-                self.executor.cancel(inf.handle, reason)
             try:
                 with self.storage.once():  # the storage may be what failed: not waited for again
                     self.study.tell(inf.number, state=TrialState.FAIL)
             except Exception:  # noqa: BLE001 - the storage may be what failed
                 pass
+        for inf in self.inflight:
+            if inf.handle is not None:
+                self.executor.cancel(inf.handle, reason)
         self.inflight.clear()
 
     # -- the noise floor, the race and the clock ------------------------------------------------
