@@ -177,6 +177,27 @@ def open_storage(url: str, *, must_exist: bool = False, upgrade: bool = True,
     return Storage(url=shown, optuna=RetryingStorage(rdb, store.retry), store=store, parsed=parsed)
 
 
+def reach_storage(url: str) -> None:
+    """Check that a database server answers, before anything else starts (a local Ray, trial
+    workers, a wait for GPUs of up to ``--gpu-wait``): a host typo or a wrong password is then
+    one line at once, not after minutes. Nothing is created or changed. A SQLite file is left
+    to :func:`open_storage` (its checks are about the path, and opening it may create it)."""
+    parsed = parse_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        return
+    from erase_tune.store.engine import build_engine
+
+    engine = build_engine(parsed)
+    try:
+        with engine.connect():
+            pass
+    except Exception as e:  # noqa: BLE001 - any driver/connection error becomes one line
+        raise EraseTuneError(f"storage {shown_url(parsed)}: cannot open: {errors.one_line(cause(e, parsed), 300)}") \
+            from None
+    finally:
+        engine.dispose()
+
+
 def _open_once(url: str, parsed: URL, kwargs: dict, upgrade: bool, heartbeat_interval: int | None,
                grace_period: int | None, existing: bool = False) -> tuple[optuna.storages.RDBStorage, Store]:
     setup_engine, rdb = None, None

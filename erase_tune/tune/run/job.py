@@ -47,8 +47,7 @@ from erase_tune.errors import EraseTuneError, shown
 from erase_tune.measure.confirm import MAX_CONFIRM_WINDOWS
 from erase_tune.measure.estimate import StepCost, describe_phases, duration, trial_seconds
 from erase_tune.store import default_storage_url
-from erase_tune.store.engine import parse_url
-from erase_tune.store.storage import Storage, open_storage
+from erase_tune.store.storage import Storage, open_storage, reach_storage
 from erase_tune.tune.search.checks import check_space
 from erase_tune.tune.search.codec import BoundSpace
 from erase_tune.tune.search.screen import Screen
@@ -227,7 +226,7 @@ def start_job(
     module = module_of(space.workload)
     name = _study_name(what, space_path)
     url = where.storage if where.storage is not None else default_storage_url()
-    parse_url(url)  # a malformed URL is refused before Ray starts
+    reach_storage(url)  # a malformed URL, or a server that does not answer, is refused before Ray starts
     target = what.trials if what.trials is not None else space.trials  # the space file checks its own
     env = runtime_env(where.working_dir or space.working_dir, [*space.py_modules, *where.py_modules])
     driver.import_from(import_dirs(env))  # the driver imports the workload too (to check the space)
