@@ -327,6 +327,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _not_an_interruption(record: logging.LogRecord) -> bool:
+    return not (record.exc_info and isinstance(record.exc_info[1], KeyboardInterrupt))
+
+
 def _configure_logging(ns: argparse.Namespace) -> None:
     level = logging.WARNING if ns.quiet else (logging.DEBUG if ns.verbose > 1 else logging.INFO)
     handler = logging.StreamHandler(sys.stderr)
@@ -334,6 +338,14 @@ def _configure_logging(ns: argparse.Namespace) -> None:
     log.handlers[:] = [handler]
     log.setLevel(level)
     log.propagate = False
+    # A library that logs what it caught before raising it again (SQLAlchemy's pool, a signal
+    # arriving while it closes a connection) would print the interruption as a traceback: the
+    # command reports it once, in its own line. Anything else it logs is shown as before.
+    library = logging.StreamHandler(sys.stderr)
+    library.addFilter(_not_an_interruption)
+    sql = logging.getLogger("sqlalchemy")
+    sql.handlers[:] = [library]
+    sql.propagate = False
     if ns.command in ("start", "status", "export", "dashboard", "report"):
         import warnings
 

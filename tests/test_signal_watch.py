@@ -139,3 +139,26 @@ def test_a_signal_inside_signals_deferred_is_raised_once_the_block_has_run(sig):
     finally:
         restore()
         signal.signal(sig, before)
+
+
+def test_a_signal_a_library_logs_before_raising_it_again_is_not_shown_as_a_traceback():
+    """SQLAlchemy's pool logs "Exception closing connection" with its traceback before it
+    raises a signal's exception again (seen: SIGTERM while a SQLite connection closed): the
+    command reports the signal in its own line only. Its other errors are still shown."""
+    code = '''
+import logging, sys
+from erase_tune.cli import _configure_logging, build_parser
+from erase_tune.errors import Terminated
+_configure_logging(build_parser().parse_args(["status"]))
+pool = logging.getLogger("sqlalchemy.pool.impl.NullPool")
+for exc in (Terminated(15), KeyboardInterrupt(), OSError("disk I/O error")):
+    try:
+        raise exc
+    except BaseException:
+        pool.error("Exception closing connection %r", "conn", exc_info=True)
+'''
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count("Exception closing connection") == 1 and "disk I/O error" in out.stderr, out.stderr
+    assert "Terminated" not in out.stderr and "KeyboardInterrupt" not in out.stderr, out.stderr
