@@ -36,10 +36,25 @@ def ray_cluster() -> Iterator[None]:
     import ray
 
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="error",
-             object_store_memory=256 * 1024**2)
+    _start_shared_ray()
     yield
     ray.shutdown()
+
+
+def _start_shared_ray() -> None:
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="error",
+             object_store_memory=256 * 1024**2)
+
+
+def _cpus_held(ray: object, wait_s: float) -> float:
+    """CPUs of the shared cluster still held after up to ``wait_s`` seconds."""
+    total = ray.cluster_resources().get("CPU", 0)
+    deadline = time.monotonic() + wait_s
+    while ray.available_resources().get("CPU", 0) < total and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return total - ray.available_resources().get("CPU", 0)
 
 
 @pytest.fixture(autouse=True)
@@ -52,10 +67,7 @@ def _ray_cluster_given_back() -> Iterator[None]:
     if ray is None or not ray.is_initialized():
         return
     total = ray.cluster_resources().get("CPU", 0)
-    deadline = time.monotonic() + 30
-    while ray.available_resources().get("CPU", 0) < total and time.monotonic() < deadline:
-        time.sleep(0.2)
-    held = total - ray.available_resources().get("CPU", 0)
+    held = _cpus_held(ray, 30)
     if held <= 0:
         return
     groups = [pg for pg, info in ray.util.placement_group_table().items() if info["state"] != "REMOVED"]
@@ -63,8 +75,15 @@ def _ray_cluster_given_back() -> Iterator[None]:
 
     for pg in groups:
         ray.util.remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(pg))))
+    cleared = "cleared"
+    if _cpus_held(ray, 10) > 0:
+        # Held by no placement group (seen under load: a group removed while Ray was still reserving
+        # it): nothing here can give it back, so the next tests get a new cluster instead of failing too.
+        ray.shutdown()
+        _start_shared_ray()
+        cleared = "the shared cluster was started anew"
     pytest.fail(f"the test left {held:g} of {total:g} CPU(s) held on the shared Ray cluster "
-                f"({len(groups)} placement group(s) not removed)")
+                f"({len(groups)} placement group(s) not removed; {cleared})")
 
 
 def run_cli(*argv: object) -> int:
