@@ -304,14 +304,14 @@ def run_space(text: str) -> str:
     except EraseTuneError as e:
         one_line(str(e), "check_space")
         return "refused by the model"
-    workload = get_workload(space.workload, space.workload_args)
+    workload = get_workload(space.workload.name, space.workload.args)
     model = workload.build_model()
     inputs, _ = workload.example(torch.device("cpu"))
     found = probe(model, tuple(inputs), checked.candidates)
     with warnings.catch_warnings():  # TPE's grouped mode is "experimental": erase-tune uses it on purpose
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         study = optuna.create_study(directions=["maximize", "minimize"],
-                                    sampler=make_sampler(space.sampler, space.sampler_seed))
+                                    sampler=make_sampler(space.sampler.name, space.sampler.seed))
     for _, params in checked.seeds:
         study.enqueue_trial(params)
     for i in range(len(checked.seeds) + 3):
@@ -322,7 +322,7 @@ def run_space(text: str) -> str:
         plan.check_model(model)
         found.check_plan(plan)  # a proposed plan starves no parameter and keeps the output's gradient
         if i < len(space.seeds):
-            assert plan == space.seeds[i][1], f"seed {space.seeds[i][0]!r} came back as another plan"
+            assert plan == space.seeds[i].plan, f"seed {space.seeds[i].name!r} came back as another plan"
         study.tell(trial, [0.0, 0.0])
     return "proposed valid plans"
 

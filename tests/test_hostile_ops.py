@@ -659,6 +659,6 @@ def test_hostile_signals(bounds: Cases, tmp_path: Path) -> None:
     assert job.space_path == str(space)
     with contextlib.chdir("/"):
         stored = SearchSpace.loads(job.space_yaml, source=job.space_path, base=Path(job.space_path).parent)
-    assert stored.py_modules == (str(tmp_path / "pkg"),)
+    assert stored.workload.py_modules == (str(tmp_path / "pkg"),)
     bounds.outcomes["signals:job interrupted, storage readable"] += 1
     bounds.report("signals", 7)

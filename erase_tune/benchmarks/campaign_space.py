@@ -57,8 +57,8 @@ def campaign_space(a: Options, ctx: Context) -> dict[str, Any]:
     Path(dst).write_text(yaml.safe_dump(data, sort_keys=False))
     space = SearchSpace.load(dst)
     checked = check_space(space)
-    for _, plan in space.seeds:  # as start enqueues them: a seed outside the space fails here
-        checked.params(plan)
-    seeds = [n for n, _ in space.seeds]
+    for seed in space.seeds:  # as start enqueues them: a seed outside the space fails here
+        checked.params(seed.plan)
+    seeds = [s.name for s in space.seeds]
     return {"space": dst, "batch": a.batch, "max_ne_gap": a.max_ne_gap, "trials": a.trials, "seeds": seeds,
             "table": f"{dst}: batch {a.batch}, budget {a.max_ne_gap:.1%}, {a.trials} trials, seeds {', '.join(seeds)}"}

@@ -59,7 +59,7 @@ def _file(file: str, smoke: bool) -> str:
 
 
 def _budget(space: SearchSpace, factor: float) -> Budget:
-    b = space.budget
+    b = space.budget.per_trial
     quality = max(0, round((b.training_steps * factor) - b.warmup_steps - b.windows * b.window_steps))
     return dataclasses.replace(b, quality_steps=quality)
 
@@ -80,9 +80,9 @@ def noise_floors(ns: Options, record: dict[str, Any], ctx: Context, started: flo
             print(f"{name:<10} skipped: no dlrm workload", flush=True)
             continue
         space = SearchSpace.load(path)
-        args = {**space.workload_args, **overrides}
+        args = {**space.workload.args, **overrides}
         try:
-            workload = get_workload(space.workload, args)
+            workload = get_workload(space.workload.name, args)
             t0 = time.monotonic()
             floor = measure_noise_floor(workload, _budget(space, ns.steps_factor), repeats=ns.repeats,
                                         device=ns.device)
@@ -127,8 +127,9 @@ def rank_agreement(ns: Options, record: dict[str, Any], ctx: Context, started: f
     file, overrides = SPACES[ns.rank_space]
     space = SearchSpace.load(ROOT / "search_spaces" / _file(file, ns.smoke))
     extra = {k: yaml.safe_load(v) for k, _, v in (a.partition("=") for a in ns.rank_arg)}
-    space = dataclasses.replace(space, workload_args={**space.workload_args, **overrides, **extra})
-    workload = get_workload(space.workload, space.workload_args)
+    args = {**space.workload.args, **overrides, **extra}
+    space = dataclasses.replace(space, workload=dataclasses.replace(space.workload, args=args))
+    workload = get_workload(space.workload.name, space.workload.args)
     budget = _budget(space, ns.steps_factor * ns.rank_steps_factor)
     plans = {str(i): p for i, p in enumerate(pick_plans(space, ns.rank_plans))}
     band = record["noise_floor"].get(ns.rank_space, {}).get("band", 0.0) or 0.0

@@ -56,7 +56,7 @@ def pick_plans(space: SearchSpace, n: int) -> list[ErasePlan]:
     from erase_tune.tune.search.checks import check_space
 
     checked = check_space(space)
-    plans = {p.canonical().dumps(): p.canonical() for _, p in space.seeds}
+    plans = {s.plan.canonical().dumps(): s.plan.canonical() for s in space.seeds}
     study = optuna.create_study(directions=["maximize", "minimize"], sampler=optuna.samplers.RandomSampler(seed=0))
     for _ in range(50 * n):
         if len(plans) >= n:
@@ -88,10 +88,10 @@ def rank_agreement(ns: Options, ctx: Context) -> dict[str, Any]:
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     space = SearchSpace.load(ns.space)
-    args = {**space.workload_args, **{k: yaml.safe_load(v) for k, _, v in (a.partition("=") for a in ns.arg)}}
-    space = dataclasses.replace(space, workload_args=args)
-    workload = get_workload(space.workload, args)
-    short = space.budget
+    args = {**space.workload.args, **{k: yaml.safe_load(v) for k, _, v in (a.partition("=") for a in ns.arg)}}
+    space = dataclasses.replace(space, workload=dataclasses.replace(space.workload, args=args))
+    workload = get_workload(space.workload.name, args)
+    short = space.budget.per_trial
     long = dataclasses.replace(short, windows=short.windows * ns.scale, quality_steps=short.quality_steps * ns.scale)
     gain_key = "gain_vs_reference" if space.gain_over == "graph" else "gain_p90"
     rows = []

@@ -128,17 +128,18 @@ def replay_table(ns: Options, ctx: Context) -> dict[str, Any]:
     space = SearchSpace.load(ns.space)
     overrides = {k: yaml.safe_load(v) for k, _, v in (a.partition("=") for a in ns.arg)}
     if overrides:
-        space = dataclasses.replace(space, workload_args={**space.workload_args, **overrides})
+        space = dataclasses.replace(space, workload=dataclasses.replace(space.workload,
+                                                                        args={**space.workload.args, **overrides}))
     checked = check_space(space)
     plans = space_plans(checked)
     sets = sorted({detached(p) for p in plans}, key=lambda s: (len(s), s))
     index, count = (int(x) for x in ns.shard.split("/"))
     device = resolve_device(ns.device)
-    workload = get_workload(space.workload, space.workload_args)
+    workload = get_workload(space.workload.name, space.workload.args)
     base = baseline_plan(space.gain_over if device.type == "cuda" else "eager")
     print(f"{len(plans)} plans, {len(sets)} detached sets; shard {index}/{count} on {device}", flush=True)
     prov = provenance(device, workload=workload.name, workload_args=jsonable_args(workload.args),
-                      budget=dataclasses.asdict(space.budget), space=ns.space, gain_over=space.gain_over,
+                      budget=dataclasses.asdict(space.budget.per_trial), space=ns.space, gain_over=space.gain_over,
                       replay="every plan of the space measured once; NE once per detached set")
     ne: dict[str, float] = {}
 
@@ -148,6 +149,6 @@ def replay_table(ns: Options, ctx: Context) -> dict[str, Any]:
     mine = sets[index::count]
     if () not in mine:  # every shard needs the baseline's NE to state gaps
         mine = [(), *mine]
-    ne.update(measure_ne(workload, mine, base, space.budget, device))
-    qps = measure_qps(workload, plans[index::count], base, space.budget, ns.group, device, save)
+    ne.update(measure_ne(workload, mine, base, space.budget.per_trial, device))
+    qps = measure_qps(workload, plans[index::count], base, space.budget.per_trial, ns.group, device, save)
     return {"provenance": prov, "qps": qps, "ne": ne, "table": f"{len(qps)} plans, {len(ne)} NE sets"}

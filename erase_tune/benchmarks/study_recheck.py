@@ -62,7 +62,7 @@ def study_recheck(ns: Options, ctx: Context) -> dict[str, Any]:
     wl = study.user_attrs[Attr.WORKLOAD]
     plans = {str(t.number): ErasePlan.from_dict(t.user_attrs[Attr.PLAN]) for t in trials}
     res = confirm_plans(get_workload(wl["name"], dict(wl["args"])), plans,
-                        budget=Budget(**dataclasses.asdict(space.budget)),
+                        budget=Budget(**dataclasses.asdict(space.budget.per_trial)),
                         timing=ConfirmWindows(windows=ns.windows, max_windows=ns.max_windows, halfwidth=ns.halfwidth),
                         gain_over=study.user_attrs.get(Attr.GAIN_OVER, "eager"), device=ns.device or space.device)
     rows = [{"trial": t.number, "plan": t.user_attrs.get(Attr.PLAN_SUMMARY, ""), "searched": t.values[0],

@@ -31,8 +31,8 @@ def _script():
 def test_defaults_are_the_ctr_space():
     space = SearchSpace.load(ROOT / "search_spaces" / "ctr.yaml")
     t1 = _script()
-    assert {**t1.CTR_ARGS, "train_batches": space.workload_args["train_batches"]} == space.workload_args
-    assert {k: getattr(space.budget, k) for k in t1.CTR_BUDGET} == t1.CTR_BUDGET
+    assert {**t1.CTR_ARGS, "train_batches": space.workload.args["train_batches"]} == space.workload.args
+    assert {k: getattr(space.budget.per_trial, k) for k in t1.CTR_BUDGET} == t1.CTR_BUDGET
 
 
 def test_ddp_table1_runs_on_two_cpu_ranks(tmp_path):

@@ -66,7 +66,7 @@ def test_noise_floor_feasibility_resume_status_and_quality(storage_url, ray_clus
     # Quality confirmation of the front (on a trial slot), then an export that records it.
     db = open_storage(storage_url)
     space = SearchSpace.load(space_path)
-    executor = RayExecutor(None, workload=space.workload, slots=1, device="cpu")
+    executor = RayExecutor(None, workload=space.workload.name, slots=1, device="cpu")
     try:
         study = db.study("nf")
         front = pareto_front(study, 0.001)
@@ -76,7 +76,7 @@ def test_noise_floor_feasibility_resume_status_and_quality(storage_url, ray_clus
         db.close()
     assert set(done) == {p.number for p in front[:5]}
     for number, q in done.items():
-        assert q.steps == 2 * space.budget.training_steps and q.seeds == 2 and q.band == band
+        assert q.steps == 2 * space.budget.per_trial.training_steps and q.seeds == 2 and q.band == band
         if q.exact:
             assert (q.ne_gap, q.ne_gap_lo, q.ne_gap_hi) == (0.0, -band, band)
         else:

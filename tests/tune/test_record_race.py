@@ -40,8 +40,9 @@ NAME = "race"
 @pytest.fixture(scope="module")
 def measured_outcome() -> TrialOutcome:
     """A real trial's outcome (the ctr proxy on the CPU, a short budget)."""
-    budget = dataclasses.replace(SPACE.budget, max_windows=SPACE.budget.windows, quality_steps=20)
-    result = run_trial(get_workload(SPACE.workload, SPACE.workload_args), PLAN, budget, device="cpu",
+    per_trial = SPACE.budget.per_trial
+    budget = dataclasses.replace(per_trial, max_windows=per_trial.windows, quality_steps=20)
+    result = run_trial(get_workload(SPACE.workload.name, SPACE.workload.args), PLAN, budget, device="cpu",
                        reference_error=None)
     return TrialOutcome(trial_number=0, result=result, worker=WorkerInfo(node="node-a", pid=1))
 
@@ -57,7 +58,7 @@ def _open(url: str) -> Storage:
 def _driver(db: Storage) -> Recorder:
     study = open_study(db, NAME)
     job = db.store.create_job(study_name=NAME, space_path="ctr-smoke.yaml", space_yaml=SPACE.text,
-                              workload=SPACE.workload, get_or_create=True)
+                              workload=SPACE.workload.name, get_or_create=True)
     return Recorder(study=study, storage=db, job=job, space=SPACE)
 
 
@@ -178,7 +179,7 @@ def test_a_measurement_failed_as_stale_is_not_kept_once_the_study_moved_on(stora
     try:
         target = 1 if moved_on == "target reached" else 5
         job = db.store.create_job(study_name=NAME, space_path="ctr-smoke.yaml", space_yaml=SPACE.text,
-                                  workload=SPACE.workload, n_trials_target=target, get_or_create=True)
+                                  workload=SPACE.workload.name, n_trials_target=target, get_or_create=True)
         rec = Recorder(study=open_study(db, NAME), storage=db, job=job, space=SPACE)
         paused = rec.study.ask()
         key = PLAN.dumps()

@@ -13,7 +13,6 @@ from torch import nn
 
 from erase_tune.runtime import Cut, ErasePlan, Graphed, Placement
 from erase_tune.runtime.probe import probe
-from erase_tune.tune.search import space_file
 from erase_tune.tune.search.codec import BoundSpace, DetachGuard
 from erase_tune.tune.search.screen import (
     FAILED,
@@ -28,7 +27,7 @@ from erase_tune.tune.search.screen import (
     results_of,
     screen_line,
 )
-from erase_tune.tune.search.space import SearchSpace, SpaceError
+from erase_tune.tune.search.space import SamplerSpec, SearchSpace, SpaceError
 from erase_tune.tune.search.study import Attr
 
 
@@ -243,13 +242,13 @@ def test_results_phases_and_the_screen_line_are_read_from_trials(bound):
 
 
 def test_the_space_file_switch():
-    assert SearchSpace.loads(SPACE).screen is True
+    assert SearchSpace.loads(SPACE).sampler.screen is True
     off = SearchSpace.loads(SPACE + "sampler: {name: front, seed: 0, screen: false}\n")
-    assert off.screen is False and off.sampler == "front" and off.sampler_seed == 0
+    assert off.sampler == SamplerSpec(name="front", seed=0, screen=False)
     with pytest.raises(SpaceError, match=r"^t.yaml: sampler.screen: 'yes' must be true or false$"):
         SearchSpace.loads(SPACE + "sampler: {name: front, screen: 'yes'}\n", source="t.yaml")
     with pytest.raises(SpaceError, match=r"sampler.'scren': unknown field \(fields are: name, screen, seed\)"):
-        space_file.loads(SPACE + "sampler: {name: front, scren: false}\n", source="t.yaml")
+        SearchSpace.loads(SPACE + "sampler: {name: front, scren: false}\n", source="t.yaml")
 
 
 def test_a_job_measures_the_screens_singles_first(ray_cluster, tmp_path, capsys):

@@ -29,10 +29,10 @@ def test_shipped_space_is_valid(path):
     if path.stem.endswith("-smoke"):
         assert space.device == "cpu" and space.trials == 8  # the README demo and the tests rely on it
     elif path.stem == "dlrm":  # its step cannot be captured whole: no graph baseline, a shorter study
-        assert space.gain_over == "eager" and space.whole_step_graph == (False,) and space.device == "cuda"
+        assert space.gain_over == "eager" and space.cuts.whole_step_graph == (False,) and space.device == "cuda"
         assert space.trials >= 12 and not space.seeds  # issue 27's target: 12 trials, no hints
     elif path.stem == "deepfm":  # the branches inside the eager step: gain over it, a short study
-        assert space.gain_over == "eager" and space.whole_step_graph == (False,) and space.device == "cuda"
+        assert space.gain_over == "eager" and space.cuts.whole_step_graph == (False,) and space.device == "cuda"
         assert space.trials >= 12
     elif space.gpus_per_trial > 1:  # a data-parallel study: shorter (benchmark suite c, 240 s)
         assert space.gain_over == "graph" and space.device == "cuda" and space.trials >= 8
@@ -46,12 +46,15 @@ def test_ctr_ddp_is_the_ctr_space_on_two_ranks():
     by_name = {p.stem: SearchSpace.load(p) for p in SPACES if p.stem in ("ctr", "ctr-ddp")}
     ctr, ddp = by_name["ctr"], by_name["ctr-ddp"]
     assert (ddp.gpus_per_trial, ddp.trials, ctr.gpus_per_trial) == (2, 8, 1)
-    assert (ddp.find_unused_parameters, ctr.find_unused_parameters) == ((False, True), (False,))
-    steps = ddp.budget.warmup_steps + ddp.budget.windows * ddp.budget.window_steps + ddp.budget.quality_steps
-    assert ddp.workload_args["train_batches"] >= 2 * steps
+    assert (ddp.cuts.find_unused_parameters, ctr.cuts.find_unused_parameters) == ((False, True), (False,))
+    b = ddp.budget.per_trial
+    steps = b.warmup_steps + b.windows * b.window_steps + b.quality_steps
+    assert ddp.workload.args["train_batches"] >= 2 * steps
+    args = {**ddp.workload.args, "train_batches": ctr.workload.args["train_batches"]}
+    fup = ctr.cuts.find_unused_parameters
     same = dataclasses.replace(ddp, gpus_per_trial=1, trials=ctr.trials, source=ctr.source, text=ctr.text,
-                               find_unused_parameters=ctr.find_unused_parameters,
-                               workload_args={**ddp.workload_args, "train_batches": ctr.workload_args["train_batches"]})
+                               cuts=dataclasses.replace(ddp.cuts, find_unused_parameters=fup),
+                               workload=dataclasses.replace(ddp.workload, args=args))
     assert same == ctr
 
 
@@ -73,8 +76,8 @@ def test_the_campaign_variant_of_ctr_loads_with_exported_plans_as_seeds(tmp_path
         cmd += ["--seed-plan", str(p)]
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120, cwd=root)
     space = SearchSpace.load(out)
-    assert space.whole_step_graph == (True,) and space.max_ne_gap == 0.01 and space.trials == 8
-    names = [n for n, _ in space.seeds]
+    assert space.cuts.whole_step_graph == (True,) and space.max_ne_gap == 0.01 and space.trials == 8
+    names = [s.name for s in space.seeds]
     assert names == ["all-placed", "whole-step-graph-all-six"] + [f"from-{p.stem}" for p in plans]
-    assert all(plan.whole_step_graph for _, plan in space.seeds)
+    assert all(s.plan.whole_step_graph for s in space.seeds)
     assert len(check_space(space).seeds) == len(space.seeds)

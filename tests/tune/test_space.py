@@ -7,7 +7,7 @@ import pytest
 
 from erase_tune.runtime import Cut, ErasePlan, Placement
 from erase_tune.tune.search.codec import BoundSpace
-from erase_tune.tune.search.space import SearchSpace, SpaceError
+from erase_tune.tune.search.space import AuxWeight, SearchSpace, SpaceError
 
 CANDIDATES = ["subarchs.0", "subarchs.1", "subarchs.2", "subarchs.3"]
 
@@ -45,13 +45,13 @@ def space(text: str = SPACE) -> SearchSpace:
 
 def test_loads():
     s = space()
-    assert s.workload == "ctr" and s.workload_args == {"batch": 64}
-    assert s.max_streams == 3 and s.dispatch == ("blocking", "threaded", "deferred")
-    assert s.aux_weight == (0.1, 2.0, True) and s.max_ne_gap == 0.05
-    assert [name for name, _ in s.seeds] == ["no-cuts", "all", "placed"]
-    assert s.modes == ("keep", "place", "detach")
+    assert s.workload.name == "ctr" and s.workload.args == {"batch": 64}
+    assert s.cuts.max_streams == 3 and s.cuts.dispatch == ("blocking", "threaded", "deferred")
+    assert s.cuts.aux_weight == AuxWeight(0.1, 2.0, True) and s.max_ne_gap == 0.05
+    assert [seed.name for seed in s.seeds] == ["no-cuts", "all", "placed"]
+    assert s.cuts.modes == ("keep", "place", "detach")
     # seed plans are canonical: stream 3 -> 2
-    assert [c.stream for c in s.seeds[1][1].cuts] == [1, 2]
+    assert [c.stream for c in s.seeds[1].plan.cuts] == [1, 2]
 
 
 def test_gpus_per_trial_defaults_to_one():
@@ -163,7 +163,7 @@ def test_overlapping_candidates_are_never_both_detached():
 def test_enqueued_seed_params_reproduce_the_seed_plan(seed_index):
     s = space()
     bound = BoundSpace.unchecked(s, CANDIDATES)
-    name, plan = s.seeds[seed_index]
+    plan = s.seeds[seed_index].plan
     study = optuna.create_study(directions=["maximize", "minimize"])
     study.enqueue_trial(bound.params(plan))
     trial = study.ask()

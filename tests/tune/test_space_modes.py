@@ -46,15 +46,15 @@ def space(text: str = SPACE) -> SearchSpace:
 
 def test_a_candidate_may_give_its_own_modes() -> None:
     s = space()
-    assert s.candidates == ("bot_l", "top_l", "top_l.0:4") and s.modes == ("keep", "place", "detach", "graph")
-    assert s.candidate_modes == {"top_l": ("keep", "place", "graph"), "top_l.0:4": ("keep", "graph")}
-    assert s.modes_of("bot_l") == s.modes and s.modes_of("top_l.0:4") == ("keep", "graph")
+    assert s.cuts.modules == ("bot_l", "top_l", "top_l.0:4") and s.cuts.modes == ("keep", "place", "detach", "graph")
+    assert [c.modes for c in s.cuts.candidates] == [None, ("keep", "place", "graph"), ("keep", "graph")]
+    assert s.modes_of("bot_l") == s.cuts.modes and s.modes_of("top_l.0:4") == ("keep", "graph")
     assert s.may_detach
     # An entry with no modes takes the space's; the seeds' graphed pieces are read and canonical.
     plain = space(SPACE.replace("{module: top_l, modes: [keep, place, graph]}", "{module: top_l}"))
-    assert "top_l" not in plain.candidate_modes and plain.modes_of("top_l") == plain.modes
-    assert s.seeds[0][1] == ErasePlan(graphs=(Graphed(module="top_l"),))
-    assert s.seeds[1][1].graphs == (Graphed(module="top_l", stream=2),) and s.seeds[1][1].cuts[0].stream == 1
+    assert plain.cuts.own_modes("top_l") is None and plain.modes_of("top_l") == plain.cuts.modes
+    assert s.seeds[0].plan == ErasePlan(graphs=(Graphed(module="top_l"),))
+    assert s.seeds[1].plan.graphs == (Graphed(module="top_l", stream=2),) and s.seeds[1].plan.cuts[0].stream == 1
     only_graph = space(SPACE.replace("modes: [keep, place, detach, graph]", "modes: [keep, graph]"))
     assert not only_graph.may_detach
 
@@ -101,8 +101,9 @@ def _variants() -> list[SearchSpace]:
 
 @pytest.mark.parametrize("index", range(3), ids=["searched", "round_robin", "no-side-streams"])
 def test_plans_and_params_are_inverses_over_random_params(index: int) -> None:
-    s = _variants()[index]
-    bound = BoundSpace.unchecked(s, CANDIDATES)
+    variant = _variants()[index]
+    s = variant.cuts
+    bound = BoundSpace.unchecked(variant, CANDIDATES)
     key = bound.key
     rng = np.random.RandomState(index)
     seen: set[str] = set()
@@ -112,7 +113,7 @@ def test_plans_and_params_are_inverses_over_random_params(index: int) -> None:
         assert plan == plan.canonical()
         again = bound.params(plan)
         assert bound.plan(optuna.trial.FixedTrial(again)) == plan, (params, again)
-        modes = {c: params.get(f"{c}.mode", s.modes_of(c)[0]) for c in CANDIDATES}
+        modes = {c: params.get(f"{c}.mode", variant.modes_of(c)[0]) for c in CANDIDATES}
         assert "top_l" not in {c.module for c in plan.cuts}  # its own modes exclude detach
         assert "top_l.0:4" not in {p.module for p in plan.placements} or plan.whole_step_graph
         for c in CANDIDATES:  # a graphed piece's stream is asked for graphed candidates only

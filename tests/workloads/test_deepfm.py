@@ -332,14 +332,14 @@ def test_detaching_branches_gives_the_reference_gradients(dispatch: str) -> None
 def test_the_spaces_offer_fm_no_detach_and_no_plan_that_starves_the_embedding() -> None:
     for stem in ("deepfm", "deepfm-smoke"):
         space = SearchSpace.load(SPACES / f"{stem}.yaml")
-        assert space.workload == "deepfm" and space.gain_over == "eager" and space.seeds == ()
-        assert space.budget.windows == 4
-        assert space.candidates == ("linear", "mlp", "fm")
-        assert space.candidate_modes == {"fm": ("keep", "place", "graph")}
+        assert space.workload.name == "deepfm" and space.gain_over == "eager" and space.seeds == ()
+        assert space.budget.per_trial.windows == 4
+        assert space.cuts.modules == ("linear", "mlp", "fm")
+        assert [c.modes for c in space.cuts.candidates] == [None, None, ("keep", "place", "graph")]
     bound = check_space(SearchSpace.load(SPACES / "deepfm-smoke.yaml"))
     assert dict(bound.modes) == {"linear": ("keep", "place", "detach", "graph"),
                                  "mlp": ("keep", "place", "detach", "graph"), "fm": ("keep", "place", "graph")}
-    wl = get_workload("deepfm", bound.space.workload_args)
+    wl = get_workload("deepfm", bound.space.workload.args)
     found = probe(wl.build_model(), tuple(wl.example(CPU)[0]), bound.candidates)
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
     modes = set()
@@ -394,7 +394,7 @@ def test_with_the_workloads_own_candidates_fm_is_detached_only_while_mlp_is_not(
 
 def test_a_trial_of_the_smoke_space_runs_on_the_cpu() -> None:
     space = SearchSpace.load(SPACES / "deepfm-smoke.yaml")
-    wl = get_workload(space.workload, space.workload_args)
+    wl = get_workload(space.workload.name, space.workload.args)
     plan = ErasePlan(cuts=(Cut(module="mlp", stream=1),), placements=(Placement(module="linear", stream=2),),
                      graphs=(Graphed(module="fm"),), num_streams=2, dispatch="threaded")  # fmt: skip
     budget = Budget(warmup_steps=5, windows=4, window_steps=2, quality_steps=10)  # the space's, shorter

@@ -53,8 +53,7 @@ from erase_tune.tune.run.confirm import CONFIRM_MAX_WINDOWS, MAX_CONFIRMED
 from erase_tune.tune.search.checks import check_space
 from erase_tune.tune.search.codec import BoundSpace
 from erase_tune.tune.search.screen import Screen
-from erase_tune.tune.search.space import SearchSpace
-from erase_tune.tune.search.space_file import MAX_TRIALS
+from erase_tune.tune.search.space import MAX_TRIALS, AuxWeight, SearchSpace, WorkloadSpec
 from erase_tune.workloads import Workload, get_workload
 
 __all__ = ["SpaceCheck", "Element", "PlanCount", "check_space_file", "count_plans", "phases", "MAX_WALK", "MAX_WALK_S"]
@@ -99,10 +98,10 @@ class PlanCount:
     walked: int
     """Parameter sets walked."""
 
-    def describe(self, aux_weight: tuple[float, float, bool]) -> str:
+    def describe(self, aux_weight: AuxWeight) -> str:
         walked = f"more than the {self.walked} parameter sets walked in {MAX_WALK_S:g} s"
         if self.continuous:
-            low, high, _ = aux_weight
+            low, high = aux_weight.low, aux_weight.high
             size = f"{self.plans} distinct plans" if self.plans is not None else f"{walked} (not counted)"
             return f"infinitely many: each detached cut's λ is continuous in [{low:g}, {high:g}]; up to λ, {size}"
         return f"{self.plans} (exact)" if self.plans is not None else f"finite, but {walked} (not counted exactly)"
@@ -176,9 +175,9 @@ def check_space_file(path: str | Path, *, trials: int | None = None, slots: int 
     if trials is not None and not 1 <= trials <= MAX_TRIALS:
         raise EraseTuneError(f"--trials: {trials} must be in 1..{MAX_TRIALS}")
     space = SearchSpace.load(path)
-    import_from(_import_dirs(space))
+    import_from(_import_dirs(space.workload))
     bound = check_space(space)
-    workload = get_workload(space.workload, space.workload_args)
+    workload = get_workload(space.workload.name, space.workload.args)
     device, note = _device(space)
     if space.gain_over == "graph" and device.type != "cuda":
         note = (f"{note}; " if note else "") + ("gain_over: graph needs GPU trial slots: start refuses it on a "
@@ -201,13 +200,14 @@ def check_space_file(path: str | Path, *, trials: int | None = None, slots: int 
     except (EraseTuneError, RuntimeError, ValueError, TypeError) as e:
         raise EraseTuneError(f"{space.source}: the baseline's step fails on {device}: {first_line(e)}") from None
     target = trials if trials is not None else space.trials
-    ph = phases(space, cost, left=target, singles=len(screen.singles) if space.screen else None,
+    screen_on = space.sampler.screen
+    ph = phases(space, cost, left=target, singles=len(screen.singles) if screen_on else None,
                 cuda=device.type == "cuda", slots=slots, noise_due=True, confirm_windows=5)
     return SpaceCheck(
-        space=space.source, workload=space.workload, device=str(device), device_note=note,
+        space=space.source, workload=space.workload.name, device=str(device), device_note=note,
         candidates=[(c, tuple(bound.modes[c])) for c in bound.candidates],
-        count=count, plans_line=count.describe(space.aux_weight),
-        screen=[s.name for s in screen.singles] if space.screen else [], screen_on=space.screen,
+        count=count, plans_line=count.describe(space.cuts.aux_weight),
+        screen=[s.name for s in screen.singles] if screen_on else [], screen_on=screen_on,
         elements=elements, step_ms=cost.step_s * 1e3, build_s=cost.build_s, timed_steps=TIMED_STEPS, trials=target,
         slots=slots, phases=ph, estimate=describe_phases(ph))
 
@@ -218,7 +218,7 @@ def phases(space: SearchSpace, cost: StepCost, *, left: int, singles: int | None
     ``singles``: the screen's single plans (None: no screen); ``cuda``: trials run on CUDA
     (they also time the whole-step graph); ``noise_due``: the noise floor is still to measure;
     ``confirm_windows``: 0 without the confirmation at the end. ``start`` logs these."""
-    b = space.budget
+    b = space.budget.per_trial
     # the singles and, at most, as many unions again (pairs and the all-union of the gainers)
     screen = min(left, 2 * singles) if singles is not None else 0
     quality_runs = (MAX_CONFIRMED + 1) * b.quality_seeds * b.quality_scale if b.quality_scale else 0
@@ -366,6 +366,7 @@ def _default_slots(device: torch.device, gpus_per_trial: int) -> int:
     return max(1, units // gpus_per_trial)
 
 
-def _import_dirs(space: SearchSpace) -> list[str]:
+def _import_dirs(workload: WorkloadSpec) -> list[str]:
     """Where the space's shipped code imports from: each py_module's parent, then the working_dir."""
-    return [*(os.path.dirname(p) for p in space.py_modules), *([space.working_dir] if space.working_dir else [])]
+    working_dir = [workload.working_dir] if workload.working_dir else []
+    return [*(os.path.dirname(p) for p in workload.py_modules), *working_dir]

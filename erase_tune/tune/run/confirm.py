@@ -25,6 +25,7 @@ from erase_tune.runtime import ErasePlan
 from erase_tune.store import Confirmation, ConfirmationRecord, QualityConfirmation, QualityRecord
 from erase_tune.store.storage import Storage
 from erase_tune.tune.execute.task import ConfirmSpec
+from erase_tune.tune.search.space import SearchSpace
 from erase_tune.tune.search.study import Attr, FrontPoint, noise_band
 
 __all__ = ["MAX_CONFIRMED", "CONFIRM_HALFWIDTH", "CONFIRM_MAX_WINDOWS", "MIN_CONFIRM_WINDOWS", "PICKS", "Choice",
@@ -51,7 +52,7 @@ def _confirmed(executor: Any, spec: ConfirmSpec, *, timeout: float, expected_s: 
     return outcome.result
 
 
-def confirm_front(db: Storage, study: optuna.Study, space_like: Any, executor: Any, front: list[FrontPoint], *,
+def confirm_front(db: Storage, study: optuna.Study, space: SearchSpace, executor: Any, front: list[FrontPoint], *,
                   windows: int, max_windows: int = CONFIRM_MAX_WINDOWS,
                   expected_s: float | None = None) -> dict[int, tuple[float, float, float]]:
     """Re-measure the best ``MAX_CONFIRMED`` front plans on ``executor`` (at least ``windows``
@@ -60,11 +61,11 @@ def confirm_front(db: Storage, study: optuna.Study, space_like: Any, executor: A
     job = db.store.get_job(study.study_name)
     points = front[:MAX_CONFIRMED]
     wl = study.user_attrs[Attr.WORKLOAD]
-    budget = dataclasses.asdict(space_like.budget)
+    budget = dataclasses.asdict(space.budget.per_trial)
     spec = ConfirmSpec(workload=wl["name"], workload_args=wl["args"], plans={str(p.number): p.plan for p in points},
                        budget=budget, windows=windows, gain_over=study.user_attrs.get(Attr.GAIN_OVER, "eager"),
                        max_windows=max(windows, max_windows), halfwidth=CONFIRM_HALFWIDTH)
-    res = _confirmed(executor, spec, timeout=float(space_like.timeout_s) * 2, expected_s=expected_s,
+    res = _confirmed(executor, spec, timeout=float(space.budget.timeout_s) * 2, expected_s=expected_s,
                      what="confirmation")
     out = {}
     for p in points:
@@ -79,23 +80,21 @@ def confirm_front(db: Storage, study: optuna.Study, space_like: Any, executor: A
     return out
 
 
-def with_quality(space: Any, scale: int | None, seeds: int | None) -> Any:
+def with_quality(space: SearchSpace, scale: int | None, seeds: int | None) -> SearchSpace:
     """``space`` with its budget's quality confirmation overridden (``--quality-scale``,
     ``--quality-seeds``; None keeps the space's)."""
     changes = {k: v for k, v in (("quality_scale", scale), ("quality_seeds", seeds)) if v is not None}
-    if not changes:
-        return space
-    return dataclasses.replace(space, budget=dataclasses.replace(space.budget, **changes))
+    return space.with_budget(**changes) if changes else space
 
 
-def confirm_quality_front(db: Storage, study: optuna.Study, space_like: Any, executor: Any,
+def confirm_quality_front(db: Storage, study: optuna.Study, space: SearchSpace, executor: Any,
                           front: list[FrontPoint], expected_s: float | None = None) -> dict[int, QualityConfirmation]:
     """Train the first ``MAX_CONFIRMED`` of ``front`` (the plans that could be exported: their
     gain is confirmed) longer over several seeds (erase_tune.measure.noise.confirm_quality, the space's
     ``budget.quality_scale`` and ``quality_seeds``) and store the NE gaps with their intervals;
     nothing when the space turns quality confirmation off. Plans their trial verified exact are not trained."""
-    budget = space_like.budget
-    if not getattr(budget, "quality_scale", 0) or not front:
+    budget = space.budget.per_trial
+    if not budget.quality_scale or not front:
         return {}
     job = db.store.get_job(study.study_name)
     points = front[:MAX_CONFIRMED]
@@ -106,7 +105,7 @@ def confirm_quality_front(db: Storage, study: optuna.Study, space_like: Any, exe
                        gain_over=study.user_attrs.get(Attr.GAIN_OVER, "eager"), task="quality", band=band,
                        exact=tuple(str(p.number) for p in points if p.user_attrs.get(Attr.EXACT)))
     runs = (len(points) + 1) * budget.quality_seeds * budget.quality_scale
-    res = _confirmed(executor, spec, timeout=float(space_like.timeout_s) * max(2, runs), expected_s=expected_s,
+    res = _confirmed(executor, spec, timeout=float(space.budget.timeout_s) * max(2, runs), expected_s=expected_s,
                      what="quality confirmation")
     out = {}
     for p in points:

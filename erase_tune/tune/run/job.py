@@ -66,8 +66,7 @@ from erase_tune.tune.run import check
 from erase_tune.tune.run.journal import Journal
 from erase_tune.tune.run.loop import HEARTBEAT_S, Loop, LoopBooks, LoopSpace, Progress
 from erase_tune.tune.run.record import Recorder
-from erase_tune.tune.search.space import SearchSpace
-from erase_tune.tune.search.space_file import MAX_TRIALS
+from erase_tune.tune.search.space import MAX_TRIALS, SearchSpace
 from erase_tune.tune.search.study import (
     Attr,
     FrontPoint,
@@ -223,16 +222,16 @@ def start_job(
     # its directory, from anywhere; and a Ray job's working directory may be gone once Ray has started.
     space_abspath = os.path.abspath(space_path)
     space = with_quality(SearchSpace.load(space_path), what.quality_scale, what.quality_seeds)
-    module = module_of(space.workload)
+    module = module_of(space.workload.name)
     name = _study_name(what, space_path)
     url = where.storage if where.storage is not None else default_storage_url()
     reach_storage(url)  # a malformed URL, or a server that does not answer, is refused before Ray starts
     target = what.trials if what.trials is not None else space.trials  # the space file checks its own
-    env = runtime_env(where.working_dir or space.working_dir, [*space.py_modules, *where.py_modules])
+    env = runtime_env(where.working_dir or space.workload.working_dir, [*space.workload.py_modules, *where.py_modules])
     driver.import_from(import_dirs(env))  # the driver imports the workload too (to check the space)
     checked = check_space(space)
 
-    executor = RayExecutor(where.ray_address, workload=space.workload, slots=where.slots, device=space.device,
+    executor = RayExecutor(where.ray_address, workload=space.workload.name, slots=where.slots, device=space.device,
                            gpus_per_trial=space.gpus_per_trial, runtime_env=env, gpu_wait_s=patience.gpu_wait_s,
                            on_ray_started=driver.ray_started)
     try:
@@ -246,7 +245,7 @@ def start_job(
             _create_job(job, space)
             # The first line of a job that runs (a refusal before this point is its one error line).
             log.info("workload %s: code from module %s runs here and on the workers (a space file is trusted like "
-                     "a script)", space.workload, module)
+                     "a script)", space.workload.name, module)
             space, loop, cost = _prepare_loop(job, space, checked, on_progress)
             estimate = _estimate(space, cost, target, loop, what)
             if estimate is not None:
@@ -292,7 +291,7 @@ def _create_job(job: _Job, space: SearchSpace) -> None:
     with db.lock(f"study:{name}"):
         _check_resumable(open_study(db, name), space, name)
         db.store.create_job(study_name=name, space_path=job.space_path, space_yaml=space.text,
-                            workload=space.workload, settings={"trials": target}, n_trials_target=target,
+                            workload=space.workload.name, settings={"trials": target}, n_trials_target=target,
                             get_or_create=True)
         db.store.set_job_status(name, "running", n_trials_target=target)
 
@@ -307,7 +306,7 @@ def _prepare_loop(job: _Job, space: SearchSpace, checked: BoundSpace,
         original = space
         space, reference_error, cost = _preflight(db, space, name, job.executor)
         if reference_error is not None:
-            dropped = "; its whole_step_graph: true choice is dropped" if True in original.whole_step_graph else ""
+            dropped = "; its whole_step_graph: true choice is dropped" if True in original.cuts.whole_step_graph else ""
             log.info("whole-step CUDA graph: this model's step cannot be captured whole (%s): trials run "
                      "without the graph reference%s", reference_error, dropped)
         with db.lock(f"study:{name}"):
@@ -322,7 +321,7 @@ def _prepare_loop(job: _Job, space: SearchSpace, checked: BoundSpace,
         db.store.record_noise_floor(loop.recorder.job, floor)
     if floor:
         log.info("noise floor of the NE gap: ±%.3f%% (a gap above the budget by less is not infeasible)", 100 * band)
-    elif space.may_detach and space.budget.noise_repeats:
+    elif space.may_detach and space.budget.per_trial.noise_repeats:
         loop.floor_due = lambda: _lazy_floor(db, space, name, job.executor, loop, cost)
     return space, loop, cost
 
@@ -334,7 +333,7 @@ def _set_deadline(loop: Loop, space: SearchSpace, cost: StepCost | None, deadlin
     loop.deadline = deadline
     loop.reserve_s = _confirm_reserve(space, cost, confirm_windows)
     if cost is not None:
-        b = space.budget
+        b = space.budget.per_trial
         loop.first_trial_s = trial_seconds(cost, variants=3, warmup_steps=b.warmup_steps,
                                            window_steps=b.window_steps, windows=b.max_windows,
                                            ne_steps=2 * b.quality_steps)
@@ -353,14 +352,19 @@ def _mark_stopped(db: Storage, name: str, e: BaseException) -> None:
 
 def _check_resumable(study: Any, space: SearchSpace, name: str) -> None:
     """A study tuning another workload, or measuring against another baseline, is refused."""
-    workload_attr = {"name": space.workload, "args": dict(space.workload_args)}
     tuned, over = study.user_attrs.get(Attr.WORKLOAD), study.user_attrs.get(Attr.GAIN_OVER)
-    if tuned is not None and tuned != workload_attr:
+    if tuned is not None and tuned != _workload_attr(space):
         raise EraseTuneError(f"study {shown(name)} tunes workload {tuned['name']} with other arguments than "
                              f"{space.source}: use another study name")
     if over is not None and over != space.gain_over:
         raise EraseTuneError(f"study {shown(name)} measures qps_gain over the {over} baseline; {space.source} says "
                              f"{space.gain_over}: use another study name")
+
+
+def _workload_attr(space: SearchSpace) -> dict[str, Any]:
+    """The study's ``workload`` attribute for ``space``: its name and arguments, as stored (a
+    study resumed by another space must have the same)."""
+    return {"name": space.workload.name, "args": dict(space.workload.args)}
 
 
 def _noise_floor(db: Storage, space: SearchSpace, name: str, executor: RayExecutor,
@@ -372,15 +376,16 @@ def _noise_floor(db: Storage, space: SearchSpace, name: str, executor: RayExecut
         study = open_study(db, name)
         _check_resumable(study, space, name)
         stored = study.user_attrs.get(Attr.NOISE_FLOOR)
-    if stored is not None or not space.budget.noise_repeats:
+    b = space.budget.per_trial
+    if stored is not None or not b.noise_repeats:
         return stored, False
     log.info("noise floor: training the baseline against itself (%d data orders%s): the first plan with cuts needs it",
-             space.budget.noise_repeats, ", and the whole-step graph" if executor.device == "cuda" else "")
-    spec = ConfirmSpec(workload=space.workload, workload_args=dict(space.workload_args), plans={},
-                       budget=dataclasses.asdict(space.budget), windows=0, gain_over=space.gain_over, task="noise")
-    runs = space.budget.noise_repeats + 1  # the data orders, and the whole-step graph
-    expected = None if cost is None else runs * cost.run_s(space.budget.training_steps)
-    outcome = executor.confirm(spec, timeout=float(space.timeout_s) * (space.budget.noise_repeats + 2),
+             b.noise_repeats, ", and the whole-step graph" if executor.device == "cuda" else "")
+    spec = ConfirmSpec(workload=space.workload.name, workload_args=dict(space.workload.args), plans={},
+                       budget=dataclasses.asdict(b), windows=0, gain_over=space.gain_over, task="noise")
+    runs = b.noise_repeats + 1  # the data orders, and the whole-step graph
+    expected = None if cost is None else runs * cost.run_s(b.training_steps)
+    outcome = executor.confirm(spec, timeout=float(space.budget.timeout_s) * (b.noise_repeats + 2),
                                expected_s=expected)
     if outcome.result is None:
         raise JobFailed(f"job {name}: the noise floor of the NE gap could not be measured (the baseline trained "
@@ -403,16 +408,16 @@ def _preflight(db: Storage, space: SearchSpace, name: str,
     cannot (or None), and the baseline's step cost (None when it could not be measured)."""
     study = open_study(db, name)
     tuned = study.user_attrs.get(Attr.WORKLOAD)
-    if tuned is not None and tuned != {"name": space.workload, "args": dict(space.workload_args)}:
+    if tuned is not None and tuned != _workload_attr(space):
         return space, None, None  # another workload's study: _set_up refuses it
-    try_graph = executor.device == "cuda" and space.budget.reference
+    try_graph = executor.device == "cuda" and space.budget.per_trial.reference
     known = Attr.REFERENCE_ERROR in study.user_attrs
     stored = study.user_attrs.get(Attr.STEP_COST)
     error = study.user_attrs.get(Attr.REFERENCE_ERROR) if known else None
     if (try_graph and not known) or stored is None:
-        outcome = executor.reference(ReferenceSpec(workload=space.workload, workload_args=dict(space.workload_args),
-                                                   seed=space.budget.seed, try_graph=try_graph and not known),
-                                     timeout=space.timeout_s)
+        spec = ReferenceSpec(workload=space.workload.name, workload_args=dict(space.workload.args),
+                             seed=space.budget.per_trial.seed, try_graph=try_graph and not known)
+        outcome = executor.reference(spec, timeout=space.budget.timeout_s)
         if outcome.failure is not None and outcome.failure.kind == "infra":
             raise JobFailed(f"job {name}: could not run the preflight on a worker: {outcome.failure.reason}")
         if try_graph and not known:
@@ -429,11 +434,12 @@ def _preflight(db: Storage, space: SearchSpace, name: str,
     if space.gain_over == "graph":
         raise EraseTuneError(f"{space.source}: gain_over: graph, but this model's step cannot be captured as one CUDA "
                              f"graph ({error}); use gain_over: eager")
-    if False not in space.whole_step_graph:
+    if False not in space.cuts.whole_step_graph:
         raise EraseTuneError(f"{space.source}: cuts.whole_step_graph: [true], but this model's step cannot be captured "
                              f"as one CUDA graph ({error}); use [false]")
-    return dataclasses.replace(space, whole_step_graph=(False,),
-                               budget=dataclasses.replace(space.budget, reference=False)), error, cost
+    narrowed = dataclasses.replace(space.with_budget(reference=False),
+                                   cuts=dataclasses.replace(space.cuts, whole_step_graph=(False,)))
+    return narrowed, error, cost
 
 
 def _lazy_floor(db: Storage, space: SearchSpace, name: str, executor: RayExecutor, loop: Loop,
@@ -466,14 +472,14 @@ def _confirm_reserve(space: SearchSpace, cost: StepCost | None, windows: int) ->
     """Seconds a time budget keeps for the confirmation at its least (its minimum of windows)."""
     if cost is None or not windows:
         return 0.0
-    b = space.budget
+    b = space.budget.per_trial
     return (MAX_CONFIRMED + 1) * cost.run_s(b.warmup_steps + windows * b.window_steps)
 
 
 def _quality_seconds(space: SearchSpace, cost: StepCost | None, points: list[FrontPoint]) -> float:
     """What the quality confirmation of ``points`` costs: the plans not verified exact and the
     baseline, each trained ``quality_scale`` times a trial's steps per seed."""
-    b = space.budget
+    b = space.budget.per_trial
     trained = [p for p in points if not p.user_attrs.get(Attr.EXACT)]
     if cost is None or not trained or not b.quality_scale:
         return 0.0
@@ -485,7 +491,7 @@ def _confirm_windows(space: SearchSpace, cost: StepCost | None, windows: int, se
     cap = max(windows, CONFIRM_MAX_WINDOWS)
     if seconds_left is None or cost is None:
         return cap
-    b = space.budget
+    b = space.budget.per_trial
     runners = MAX_CONFIRMED + 1
     per_window = runners * b.window_steps * cost.step_s
     spare = seconds_left - runners * cost.run_s(b.warmup_steps)
@@ -495,24 +501,23 @@ def _confirm_windows(space: SearchSpace, cost: StepCost | None, windows: int, se
 def _set_up(job: _Job, space: SearchSpace, checked: BoundSpace, on_progress: Callable[[Progress], None],
             reference_error: str | None = None, band: float = 0.0) -> Loop:
     db, name, target, executor = job.db, job.name, job.target, job.executor
-    workload_attr = {"name": space.workload, "args": dict(space.workload_args)}
     checked = checked.rebind(space)  # the space as narrowed by the graph reference
     with db.lock(f"study:{name}"):
         study = open_study(db, name)
         _check_resumable(study, space, name)
         drivers = int(study.user_attrs.get(Attr.DRIVERS, 0))
-        for key, value in ((Attr.WORKLOAD, workload_attr), (Attr.MAX_NE_GAP, space.max_ne_gap),
+        for key, value in ((Attr.WORKLOAD, _workload_attr(space)), (Attr.MAX_NE_GAP, space.max_ne_gap),
                            (Attr.GAIN_OVER, space.gain_over), (Attr.DRIVERS, drivers + 1)):
             study.set_user_attr(key, value)
         if not study.get_trials(deepcopy=False):
             for seed_name, params in checked.seeds:
                 study.enqueue_trial(params, user_attrs={Attr.SEED_NAME: seed_name})
         db.store.create_job(study_name=name, space_path=job.space_path, space_yaml=space.text,
-                            workload=space.workload, settings={"trials": target}, n_trials_target=target,
+                            workload=space.workload.name, settings={"trials": target}, n_trials_target=target,
                             get_or_create=True)
         row = db.store.set_job_status(name, "running", n_trials_target=target)
-        seed = None if space.sampler_seed is None else space.sampler_seed + 1_000_003 * drivers
-        study.sampler = make_sampler(space.sampler, seed, max_ne_gap=space.max_ne_gap + band,
+        seed = None if space.sampler.seed is None else space.sampler.seed + 1_000_003 * drivers
+        study.sampler = make_sampler(space.sampler.name, seed, max_ne_gap=space.max_ne_gap + band,
                                      plan_key=checked.key)
         recorder = Recorder(study=study, storage=db, job=row, space=space)
         recorder.band = band
@@ -520,7 +525,7 @@ def _set_up(job: _Job, space: SearchSpace, checked: BoundSpace, on_progress: Cal
         for entry in journal.entries():  # outcomes a driver measured but could not store
             recorder.record(entry.trial_number, entry.plan_key, entry.outcome, entry.attempts)
             journal.remove(entry.trial_number)
-    return Loop(what=LoopSpace(space=space, checked=checked, screen=Screen(checked) if space.screen else None,
+    return Loop(what=LoopSpace(space=space, checked=checked, screen=Screen(checked) if space.sampler.screen else None,
                                reference_error=reference_error),
                 books=LoopBooks(study=study, storage=db, recorder=recorder, journal=journal),
                 executor=executor, target=target, max_failures=max(3, target), on_progress=on_progress)
@@ -576,7 +581,7 @@ def _after_trials(db: Storage, loop: Loop, space: SearchSpace, name: str, execut
             stored = {c.trial_number: c for c in db.store.confirmations(job)}
             stored_q = {q.trial_number: q for q in db.store.quality_confirmations(job)}
             choice = choose(final, stored, stored_q, max_ne_gap=space.max_ne_gap, band=noise_band(loop.study),
-                            gain_over=space.gain_over, quality_required=bool(space.budget.quality_scale))
+                            gain_over=space.gain_over, quality_required=bool(space.budget.per_trial.quality_scale))
     stopped = loop.stopped
     if complete == 0 or (stopped is not None and complete < loop.target and failed >= loop.max_failures):
         db.store.set_job_status(name, "failed", error=stopped or "every trial failed")

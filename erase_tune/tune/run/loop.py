@@ -169,8 +169,8 @@ class Loop:
             now = time.monotonic()
             for inf in self.inflight:
                 h = inf.handle
-                if h is not None and h.cancel_reason is None and now - h.started > self.space.timeout_s:
-                    self.executor.cancel(h, f"timed out after {self.space.timeout_s:.0f}s")
+                if h is not None and h.cancel_reason is None and now - h.started > self.space.budget.timeout_s:
+                    self.executor.cancel(h, f"timed out after {self.space.budget.timeout_s:.0f}s")
         self.emit("done", f"job {self.study.study_name}: " + (self.stopped or "done"))
 
     def admit(self) -> bool:
@@ -249,9 +249,10 @@ class Loop:
         self.storage.set_user_attrs(self.recorder.trial_id(trial.number), {
             Attr.PLAN: plan.to_dict(), Attr.PLAN_KEY: key, Attr.PLAN_SUMMARY: plan.describe(),
             Attr.MAX_NE_GAP: self.space.max_ne_gap, Attr.PHASE: phase})
-        spec = TrialSpec(trial_number=trial.number, workload=self.space.workload,
-                         workload_args=dict(self.space.workload_args), plan=plan.to_dict(),
-                         budget=dataclasses.asdict(self.space.budget), baseline_ne=self.recorder.baseline_ne(),
+        spec = TrialSpec(trial_number=trial.number, workload=self.space.workload.name,
+                         workload_args=dict(self.space.workload.args), plan=plan.to_dict(),
+                         budget=dataclasses.asdict(self.space.budget.per_trial),
+                         baseline_ne=self.recorder.baseline_ne(),
                          reference_error=self.reference_error, gain_over=self.space.gain_over,
                          stop_below=self._stop_below())
         return _Inflight(number=trial.number, plan=plan, key=key, spec=spec)
@@ -371,7 +372,7 @@ class Loop:
         trial is expected to take the longest any took so far (the first: the trial timeout)."""
         done = self.cost["trial"]
         expected = max(done) if done else self.first_trial_s if self.first_trial_s is not None \
-            else float(self.space.timeout_s)
+            else float(self.space.budget.timeout_s)
         left = self.seconds_left()
         if left is not None and left - self.reserve_s < expected:
             if self.stopped is None:

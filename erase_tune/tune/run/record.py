@@ -230,10 +230,10 @@ class Recorder:
     def _baseline_key(self) -> str:
         assert self.env is not None
         # The fields the service reads around the trials (noise floor, quality) change no baseline.
-        budget = {k: v for k, v in dataclasses.asdict(self.space.budget).items()
+        budget = {k: v for k, v in dataclasses.asdict(self.space.budget.per_trial).items()
                   if k not in ("noise_repeats", "quality_scale", "quality_seeds")}
-        args = {**dict(self.space.workload_args), "_budget": budget}
+        args = {**dict(self.space.workload.args), "_budget": budget}
         if self.space.gpus_per_trial > 1:  # k ranks train on k times the data: another baseline NE
             args["_ranks"] = self.space.gpus_per_trial
-        return baseline_key(self.space.workload, args, self.env[0], self.env[1])
+        return baseline_key(self.space.workload.name, args, self.env[0], self.env[1])
 

@@ -32,8 +32,8 @@ def confirming_executor(address: str | None, working_dir: str | None, py_modules
             raise EraseTuneError("this study has no erase-tune job (its search space is unknown), so its front "
                                  "cannot be re-measured")
         space = SearchSpace.loads(job.space_yaml, source=job.space_path, base=Path(job.space_path).parent)
-        env = runtime_env(working_dir or space.working_dir, [*space.py_modules, *py_modules])
-        executor = RayExecutor(address, workload=space.workload, slots=1, device=space.device,
+        env = runtime_env(working_dir or space.workload.working_dir, [*space.workload.py_modules, *py_modules])
+        executor = RayExecutor(address, workload=space.workload.name, slots=1, device=space.device,
                                gpus_per_trial=space.gpus_per_trial, runtime_env=env, on_ray_started=on_ray_started)
         try:
             yield executor, space

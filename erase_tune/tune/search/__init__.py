@@ -1,7 +1,7 @@
 """The search: which plans a study may propose, and the Optuna study that proposes them.
 
-``space_file`` reads a search-space file (the schema, field by field) into typed sections;
-``space`` is the validated space built from them; ``checks`` checks a space against its
+``space`` is the search space's one typed schema (``SearchSpace``, nested as the file is),
+read and checked field by field from a search-space file; ``checks`` checks a space against its
 workload's model before any trial runs and binds it: ``codec``'s ``BoundSpace``, the one
 object that turns Optuna parameters into plans and back; ``samplers`` holds erase-tune's
 default sampler; ``study`` the Optuna side (objectives, attributes, the Pareto front within the NE budget);

@@ -41,11 +41,11 @@ __all__ = ["check_space"]
 def check_space(space: SearchSpace) -> BoundSpace:
     """Check ``space`` against its model (see the module docstring) and bind it, or raise one line."""
     try:
-        workload = get_workload(space.workload, space.workload_args)
+        workload = get_workload(space.workload.name, space.workload.args)
     except EraseTuneError as e:
         raise EraseTuneError(f"{space.source}: {e}") from None
     model = workload.build_model()
-    candidates = list(space.candidates or workload.cut_candidates)
+    candidates = list(space.cuts.modules or workload.cut_candidates)
     for c in candidates:
         try:
             ErasePlan(cuts=(Cut(module=c),)).check_model(model)
@@ -69,25 +69,25 @@ def check_space(space: SearchSpace) -> BoundSpace:
             if why is None:
                 if not any(targets_overlap(c, g.module) for g in greedy) and base_guard(greedy, c):
                     greedy.append(Cut(module=c))
-            elif space.candidates or not set(modes) - {"keep", "detach"}:
+            elif space.cuts.candidates or not set(modes) - {"keep", "detach"}:
                 # Listed by the user for detaching: say why it cannot be, rather than never do it.
-                raise PlanError(f"{why}; leave detach out of its modes" if c in space.candidate_modes else why)
+                raise PlanError(f"{why}; leave detach out of its modes" if space.cuts.own_modes(c) is not None else why)
             else:
                 never.add(c)  # one of the workload's own candidates, offered its other modes
         except PlanError as e:
             raise EraseTuneError(f"{space.source}: cuts.candidates: {e}") from None
     bound = dataclasses.replace(bound, can_detach=base_guard.excluding(never))
     seeds = []
-    for i, (seed_name, plan) in enumerate(space.seeds):
+    for i, seed in enumerate(space.seeds):
         try:
-            plan.check_model(model)
-            found.check_plan(plan)
-            params = bound.params(plan)
-            if bound.plan(optuna.trial.FixedTrial(params)) != plan:
+            seed.plan.check_model(model)
+            found.check_plan(seed.plan)
+            params = bound.params(seed.plan)
+            if bound.plan(optuna.trial.FixedTrial(params)) != seed.plan:
                 raise EraseTuneError("is not a plan this space can propose (its streams, λ or flags differ)")
-            seeds.append((seed_name, params))
+            seeds.append((seed.name, params))
         except EraseTuneError as e:
-            raise EraseTuneError(f"{space.source}: seeds[{i}] ({shown(seed_name)}): {e}") from None
+            raise EraseTuneError(f"{space.source}: seeds[{i}] ({shown(seed.name)}): {e}") from None
     return dataclasses.replace(bound, seeds=seeds)
 
 

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from erase_tune.runtime import Cut, ErasePlan, Graphed, Placement
 from erase_tune.runtime.plan import targets_overlap
-from erase_tune.tune.search.space import SearchSpace, SpaceError
+from erase_tune.tune.search.space import CutsSpec, SearchSpace, SpaceError
 
 if TYPE_CHECKING:
     from erase_tune.runtime.probe import ProbeResult
@@ -87,8 +87,7 @@ class BoundSpace:
     """Each candidate's choices among the modes (its own, else the space's), resolved at binding."""
 
     def __post_init__(self) -> None:
-        own, modes = self.space.candidate_modes, self.space.modes
-        object.__setattr__(self, "modes", {c: own.get(c, modes) for c in self.candidates})
+        object.__setattr__(self, "modes", {c: self.space.modes_of(c) for c in self.candidates})
 
     @classmethod
     def unchecked(cls, space: SearchSpace, candidates: Sequence[str], can_detach: Guard | None = None) -> BoundSpace:
@@ -109,7 +108,7 @@ class BoundSpace:
         Where detaching a candidate now would leave a parameter untrained (:attr:`can_detach`),
         it is only offered its other modes (under another parameter name, so every name keeps
         one set of choices)."""
-        s, candidates = self.space, self.candidates
+        s, candidates = self.space.cuts, self.candidates
         whole = _choose(trial, "whole_step_graph", s.whole_step_graph)
         cuts: list[Cut] = []
         placed: list[Placement] = []
@@ -129,8 +128,9 @@ class BoundSpace:
                 placed.append(Placement(module=c, stream=stream))
             elif mode == "detach":
                 stream = fixed if rr or not s.max_streams else trial.suggest_int(f"{c}.stream", 0, s.max_streams)
-                low, high, log = s.aux_weight
-                weight = trial.suggest_float(f"{c}.aux_weight", low, high, log=log) if low < high else low
+                aux = s.aux_weight
+                weight = trial.suggest_float(f"{c}.aux_weight", aux.low, aux.high, log=aux.log) \
+                    if aux.low < aux.high else aux.low
                 cuts.append(Cut(module=c, stream=stream, aux_weight=weight))
             elif mode == "graph":
                 # Under a whole-step graph the piece is in the step's graph already: canonical()
@@ -155,7 +155,7 @@ class BoundSpace:
     def params(self, plan: ErasePlan) -> dict[str, Any]:
         """The trial parameters under which :meth:`plan` yields ``plan`` (for
         ``study.enqueue_trial``); raises SpaceError if the plan lies outside the space."""
-        s, candidates = self.space, self.candidates
+        s, candidates = self.space.cuts, self.candidates
         cut_of = {c.module: c for c in plan.cuts}
         place_of = {p.module: p for p in plan.placements}
         graph_of = {g.module: g for g in plan.graphs}
@@ -223,8 +223,8 @@ class _Params:
     """The trial parameters :meth:`BoundSpace.params` fixes for a plan, each value checked
     against the space's choices (a choice with one option is no parameter)."""
 
-    def __init__(self, space: SearchSpace) -> None:
-        self.space = space
+    def __init__(self, cuts: CutsSpec) -> None:
+        self.cuts = cuts
         self.values: dict[str, Any] = {}
 
     def fix(self, name: str, value: Any, choices: Sequence[Any]) -> None:
@@ -234,7 +234,7 @@ class _Params:
             self.values[name] = value
 
     def stream(self, name: str, value: int, low: int) -> None:
-        s = self.space
+        s = self.cuts
         if s.streams == "round_robin":
             return  # not a parameter: the stream follows from the candidate
         if not low <= value <= s.max_streams:
@@ -243,10 +243,10 @@ class _Params:
 
     def cut(self, cut: Cut) -> None:
         """A cut's stream and auxiliary loss weight, where the space lets them vary."""
-        c, s = cut.module, self.space
+        c, s = cut.module, self.cuts
         if s.max_streams:
             self.stream(f"{c}.stream", cut.stream, 0)
-        low, high, _ = s.aux_weight
+        low, high = s.aux_weight.low, s.aux_weight.high
         if low < high:
             if not low <= cut.aux_weight <= high:
                 raise SpaceError(f"{c}.aux_weight: {cut.aux_weight} is outside [{low}, {high}]")

@@ -36,14 +36,14 @@ __all__ = ["ReplayTable", "replay_study", "ReplayRun", "space_plans"]
 def space_plans(bound: BoundSpace) -> list[ErasePlan]:
     """Every distinct canonical plan of a finite space (one choice of stream per candidate:
     ``streams: round_robin``; a fixed λ; one dispatch and one whole-step-graph choice)."""
-    space, candidates = bound.space, bound.candidates
-    if space.streams != "round_robin" or space.aux_weight[0] != space.aux_weight[1] or len(space.dispatch) > 1 \
-            or len(space.whole_step_graph) > 1 or len(space.graph) > 1:
-        raise EraseTuneError(f"{space.source}: not a finite space (needs streams: round_robin, a fixed aux_weight, "
-                             "one dispatch, one graph and one whole_step_graph choice)")
+    cuts, candidates = bound.space.cuts, bound.candidates
+    if cuts.streams != "round_robin" or cuts.aux_weight.low != cuts.aux_weight.high or len(cuts.dispatch) > 1 \
+            or len(cuts.whole_step_graph) > 1 or len(cuts.graph) > 1:
+        raise EraseTuneError(f"{bound.space.source}: not a finite space (needs streams: round_robin, a fixed "
+                             "aux_weight, one dispatch, one graph and one whole_step_graph choice)")
     out: dict[str, ErasePlan] = {}
     for modes in itertools.product(*(bound.modes[c] for c in candidates)):
-        params: dict[str, Any] = {"whole_step_graph": space.whole_step_graph[0], "dispatch": space.dispatch[0]}
+        params: dict[str, Any] = {"whole_step_graph": cuts.whole_step_graph[0], "dispatch": cuts.dispatch[0]}
         for c, m in zip(candidates, modes):
             params[f"{c}.mode"] = params[f"{c}.mode_upstream"] = m
         try:
@@ -101,8 +101,8 @@ def replay_study(bound: BoundSpace, table: ReplayTable, *, sampler: str, seed: i
     space = bound.space
     chosen = make_sampler(sampler, seed, max_ne_gap=space.max_ne_gap, plan_key=bound.key)
     study = optuna.create_study(directions=list(DIRECTIONS), sampler=chosen)
-    for _name, plan in space.seeds:
-        study.enqueue_trial(bound.params(plan))
+    for seed_plan in space.seeds:
+        study.enqueue_trial(bound.params(seed_plan.plan))
     seen: dict[str, tuple[float, float]] = {}
     points: list[tuple[float, float]] = []
     proposals = 0

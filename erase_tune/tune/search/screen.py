@@ -115,7 +115,7 @@ class Screen:
 
     def __init__(self, bound: BoundSpace) -> None:
         self.bound = bound
-        s = bound.space
+        s = bound.space.cuts
         self._whole = False not in s.whole_step_graph  # the space offers only the whole-step graph
         self._fup = s.find_unused_parameters[0]
         self._rng = np.random.RandomState(0)  # key() needs one; a complete parameter set draws nothing
@@ -211,7 +211,7 @@ class Screen:
     def _single_elements(self, guarded: bool = True) -> Iterable[tuple[str, Cut | Placement | Graphed | None, bool]]:
         """(name, element, whole-step graph) of each single, in screen order, before any check
         (but the detach guard's, unless ``guarded`` is False)."""
-        s, b = self.bound.space, self.bound
+        s, b = self.bound.space.cuts, self.bound
         if set(s.whole_step_graph) == {False, True}:
             yield _WHOLE, None, True
         for c in b.candidates:
@@ -220,7 +220,7 @@ class Screen:
         for c in b.candidates:
             if "place" in b.modes[c] and s.max_streams:
                 yield f"place {c}", Placement(module=c, stream=self._stream(c, 0)), self._whole
-        low, high, _ = s.aux_weight
+        low, high = s.aux_weight.low, s.aux_weight.high
         for c in b.candidates:
             if "detach" in b.modes[c] and (not guarded or b.can_detach is None or b.can_detach([], c)):
                 stream = self._stream(c, 0) if s.max_streams else 0
@@ -229,7 +229,7 @@ class Screen:
     def _stream(self, candidate: str, k: int) -> int:
         """The side stream of a plan's ``k``-th side-stream element: the candidate's own with
         ``streams: round_robin`` (the space fixes it), else the next one, cycling."""
-        s = self.bound.space
+        s = self.bound.space.cuts
         if s.streams == "round_robin":
             return 1 + self.bound.candidates.index(candidate) % s.max_streams
         return 1 + k % s.max_streams
@@ -237,7 +237,7 @@ class Screen:
     def _plan(self, elements: Sequence[Cut | Placement | Graphed], *, whole: bool) -> ErasePlan:
         """The canonical plan of ``elements`` with the space's fixed choices; side-stream
         elements (in candidate order) each get their own side stream."""
-        s, order = self.bound.space, self.bound.candidates
+        s, order = self.bound.space.cuts, self.bound.candidates
         dispatch = s.dispatch[0]
         cut_graph = True in s.graph and dispatch != "deferred"  # a per-cut graph is never deferred
         cuts, placed, graphed, k = [], [], [], 0

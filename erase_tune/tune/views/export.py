@@ -31,8 +31,7 @@ from erase_tune.errors import EraseTuneError, one_line, shown
 from erase_tune.runtime import ErasePlan
 from erase_tune.store import Confirmation, QualityConfirmation, default_storage_url
 from erase_tune.store.storage import Storage, open_storage
-from erase_tune.tune.search.space import SearchSpace
-from erase_tune.tune.search.space_file import MAX_NE_GAP
+from erase_tune.tune.search.space import MAX_NE_GAP, SearchSpace
 from erase_tune.measure.confirm import MAX_CONFIRM_WINDOWS
 from erase_tune.tune.run.confirm import (
     MAX_CONFIRMED,
@@ -93,8 +92,8 @@ def export_plan(storage: str | None, study_name: str, out: str | Path, *, max_ne
         if any(p.number not in done for p in front[:MAX_CONFIRMED]):
             if executor_factory is None:
                 raise EraseTuneError("the front is not confirmed yet and no executor was given to confirm it")
-            with executor_factory(job) as (executor, space_like):
-                confirm_front(db, study, space_like, executor, front, windows=windows)
+            with executor_factory(job) as (executor, job_space):
+                confirm_front(db, study, job_space, executor, front, windows=windows)
             done = _latest(db.store.confirmations(job), windows)
         confirmed = {n: c for n, c in done.items() if any(p.number == n for p in front)}
         showing = [p for p in front if p.number in confirmed and confirmed[p.number].gain_lo > 0]
@@ -102,7 +101,7 @@ def export_plan(storage: str | None, study_name: str, out: str | Path, *, max_ne
         band = noise_band(study)
         choice = choose(front, confirmed, quality, max_ne_gap=budget, band=band, pick=pick,
                         gain_over=study.user_attrs.get(Attr.GAIN_OVER, "eager"),
-                        quality_required=bool(space is not None and space.budget.quality_scale))
+                        quality_required=bool(space is not None and space.budget.per_trial.quality_scale))
         if choice.refusal is not None and not force:
             raise NoConfirmedGain(f"{choice.refusal}; nothing written (--force writes it anyway, marked unconfirmed)")
         point = choice.point
@@ -158,11 +157,11 @@ def _confirmed_quality(db: Storage, study: optuna.Study, job: Any, showing: list
     # A job whose time budget left the quality confirmation out chose without it: export agrees
     # with it unless asked to confirm quality now (--quality-scale).
     left_out = bool(study.user_attrs.get(Attr.QUALITY_LEFT_OUT)) and confirm.quality_scale is None
-    if space is not None and space.budget.quality_scale and missing and not left_out:
+    if space is not None and space.budget.per_trial.quality_scale and missing and not left_out:
         if executor_factory is None:
             raise EraseTuneError("the front's quality is not confirmed yet and no executor was given to confirm it")
-        with executor_factory(job) as (executor, space_like):
-            confirm_quality_front(db, study, with_quality(space_like, confirm.quality_scale, confirm.quality_seeds),
+        with executor_factory(job) as (executor, job_space):
+            confirm_quality_front(db, study, with_quality(job_space, confirm.quality_scale, confirm.quality_seeds),
                                   executor, missing)
         quality = _latest_quality(db.store.quality_confirmations(job))
     return space, quality
