@@ -85,72 +85,53 @@ def _check_output_dir(path: str, storage: str | None, *, names: Any) -> None:
 def cmd_trial(ns: argparse.Namespace) -> int:
     from erase_tune.errors import PlanError
     from erase_tune.runtime import ErasePlan
+    from erase_tune.measure.noise import measure_noise_floor
     from erase_tune.measure.trial import run_trial
     from erase_tune.tune.views.tables import trial_table
     from erase_tune.workloads import get_workload, workload_args
 
-    _check_noise_flag(ns)
+    budget, repeats = _budget(ns), _noise_repeats(ns)
     plan = ErasePlan.load(ns.plan)
     workload = get_workload(ns.workload, workload_args(ns.arg))
     try:  # the plan may not fit this model: name the file
-        result = run_trial(workload, plan, _budget(ns), device=ns.device)
+        result = run_trial(workload, plan, budget, device=ns.device)
     except PlanError as e:
         raise PlanError(f"{ns.plan}: {e}") from None
-    floor = _noise_floor(ns, workload)
+    floor = measure_noise_floor(workload, budget, repeats=repeats, device=ns.device) if repeats else None
     if ns.json:
         _emit_json({**result.to_dict(), "noise_floor": None if floor is None else floor.to_dict()})
     else:
-        print(trial_table(result))
-        if floor is not None:
-            print(_noise_line(floor, result.ne_gap, plan))
+        print(trial_table(result, floor))
     return 0
 
 
-def _check_noise_flag(ns: argparse.Namespace) -> None:
-    """``--noise-floor`` is refused before anything is trained, not after the trial."""
+def _noise_repeats(ns: argparse.Namespace) -> int:
+    """``--noise-floor N``, refused before anything is trained, not after the trial."""
     from erase_tune.measure.trial import MAX_REPEATS
 
     if not 0 <= ns.noise_floor <= MAX_REPEATS:
         raise EraseTuneError(f"--noise-floor: {ns.noise_floor} must be in 0..{MAX_REPEATS} (0: not measured)")
-
-
-def _noise_floor(ns: argparse.Namespace, workload: Any) -> Any:
-    """``--noise-floor N``: the NE gap's noise floor at this budget (erase_tune.measure.noise), or None."""
-    if not ns.noise_floor:
-        return None
-    from erase_tune.measure.noise import measure_noise_floor
-
-    return measure_noise_floor(workload, _budget(ns), repeats=ns.noise_floor, device=ns.device)
-
-
-def _noise_line(floor: Any, ne_gap: float | None, plan: Any = None) -> str:
-    from erase_tune.measure.noise import exact_by_construction
-
-    line = f"noise floor of the NE gap: {floor.describe()}"
-    if plan is not None and exact_by_construction(plan):
-        return line + f"\nthis plan has no cuts: exact by construction, its NE gap {ne_gap:+.3%} is noise"
-    if ne_gap is not None:
-        within = abs(ne_gap) <= floor.band
-        line += f"\nthis plan's NE gap {ne_gap:+.3%} is {'within' if within else 'beyond'} the noise"
-    return line
+    return ns.noise_floor
 
 
 def cmd_bench(ns: argparse.Namespace) -> int:
     from erase_tune.measure.bench import run_bench
+    from erase_tune.measure.noise import measure_noise_floor
+    from erase_tune.tune.views.tables import noise_line
     from erase_tune.workloads import get_workload, workload_args
 
     if ns.trace is not None:
         from erase_tune._files import check_output
 
         check_output(ns.trace, flag="--trace", directory=True)
-    _check_noise_flag(ns)
+    budget, repeats = _budget(ns), _noise_repeats(ns)
     workload = get_workload(ns.workload, workload_args(ns.arg))
     cuts = [c for c in ns.cuts.split(",") if c] if ns.cuts else None
     only = [c.strip() for c in ns.only.split(",") if c.strip()] if ns.only else None
-    result = run_bench(workload, budget=_budget(ns), device=ns.device, cuts=cuts, streams=ns.streams,
+    result = run_bench(workload, budget=budget, device=ns.device, cuts=cuts, streams=ns.streams,
                        trace_dir=ns.trace, only=only)
+    floor = measure_noise_floor(workload, budget, repeats=repeats, device=ns.device) if repeats else None
     if ns.json:
-        floor = _noise_floor(ns, workload)
         _emit_json({**result.to_dict(), **({"noise_floor": floor.to_dict()} if floor is not None else {})})
         return 0
     prov = result.provenance
@@ -165,9 +146,8 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     print(result.table())
     if result.host_table():
         print(f"\n{result.host_table()}")
-    floor = _noise_floor(ns, workload)
     if floor is not None:
-        print(_noise_line(floor, None))
+        print(noise_line(floor))
     return 0
 
 

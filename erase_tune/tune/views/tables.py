@@ -6,11 +6,13 @@ lives in one place.
 
 from __future__ import annotations
 
+from erase_tune.runtime import ErasePlan
+from erase_tune.measure.noise import NoiseFloor, exact_by_construction
 from erase_tune.measure.trial import TrialResult
 from erase_tune.tune.run.job import JobSummary
 from erase_tune.tune.run.loop import Progress
 
-__all__ = ["trial_table", "progress_line", "start_summary", "duration"]
+__all__ = ["trial_table", "noise_line", "progress_line", "start_summary", "duration"]
 
 
 def duration(seconds: float) -> str:
@@ -32,7 +34,8 @@ def task_line(result: TrialResult) -> str:
     return f"NE per task{f' (main {main})' if main else ''}: " + ", ".join(parts)
 
 
-def trial_table(result: TrialResult) -> str:
+def trial_table(result: TrialResult, floor: NoiseFloor | None = None) -> str:
+    """A trial's table; with ``floor`` (``trial --noise-floor``), the NE gap's noise floor after it."""
     prov = result.provenance
     lines = [f"workload {result.workload} (batch {result.batch_size}) on {prov['device_name']}, torch {prov['torch']}",
              f"plan: {result.plan.describe()}",
@@ -61,6 +64,8 @@ def trial_table(result: TrialResult) -> str:
     if prov.get("data_passes", 0) > 1:
         lines.append(f"note: training read its batches {prov['data_passes']:.1f} times ({_more_batches(prov)} "
                      "for one pass; a second pass can over-fit and skew NE)")
+    if floor is not None:
+        lines.append(noise_line(floor, result.ne_gap, result.plan))
     return "\n".join(lines)
 
 
@@ -70,6 +75,17 @@ def _more_batches(prov: dict) -> str:
     if "train_batches" in args:  # the built-ins
         return "raise the workload's train_batches"
     return "give the workload more training batches than the trial takes steps"
+
+
+def noise_line(floor: NoiseFloor, ne_gap: float | None = None, plan: ErasePlan | None = None) -> str:
+    """The noise floor of the NE gap, and where ``ne_gap`` (of ``plan``) lies against it."""
+    line = f"noise floor of the NE gap: {floor.describe()}"
+    if plan is not None and exact_by_construction(plan):
+        return line + f"\nthis plan has no cuts: exact by construction, its NE gap {ne_gap:+.3%} is noise"
+    if ne_gap is not None:
+        within = abs(ne_gap) <= floor.band
+        line += f"\nthis plan's NE gap {ne_gap:+.3%} is {'within' if within else 'beyond'} the noise"
+    return line
 
 
 def progress_line(p: Progress) -> str:
