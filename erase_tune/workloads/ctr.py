@@ -33,7 +33,6 @@ from erase_tune.workloads.criteo import NUM_DENSE, check_criteo_data, load_crite
 from erase_tune.workloads.limits import (
     CRITEO_BYTES_PER_LINE,
     CRITEO_MIN_LINE_BYTES,
-    MAX_SEED,
     SYNTHETIC_BYTES_PER_EXAMPLE,
     SYNTHETIC_BYTES_PER_ID,
     SYNTHETIC_BYTES_PER_ROW,
@@ -42,7 +41,7 @@ from erase_tune.workloads.limits import (
     TRAINING_BYTES_PER_PARAMETER,
     Need,
     check_arg,
-    check_int,
+    check_ints,
     check_memory,
 )
 
@@ -442,22 +441,12 @@ def _criteo_example(device: torch.device, *, args: dict[str, Any]) -> Batch:
     return (dense.to(device), sparse.to(device)), labels.to(device)
 
 
-# Bounds on the integer arguments: far above any real run, low enough that no argument can
-# make the factory hang.
-_BOUNDS = {
-    "batch": (1, 2**20),
-    "width": (1, 2**16),
-    "depth": (1, 64),
-    "emb_dim": (1, 2**14),
-    "num_tables": (1, 1024),
-    "rows": (1, 2**40),
-    "bag": (1, 1024),
-    "sub_out": (1, 2**16),
-    "train_batches": (1, 2**20),
-    "eval_batches": (1, 2**20),
-    "seed": (0, MAX_SEED),
-}
-
+_INTS = ("batch", "width", "depth", "emb_dim", "num_tables", "rows", "bag", "sub_out", "train_batches",
+         "eval_batches", "seed")
+"""The integer arguments, checked in this order (bounds: ``limits.INT_BOUNDS`` and :data:`_BOUNDS`)."""
+_BOUNDS = {"depth": (1, 64), "bag": (1, 1024), "sub_out": (1, 2**16)}
+"""Bounds on this workload's own integer arguments: far above any real run, low enough that no
+argument can make the factory hang."""
 
 
 def _parameter_count(args: dict[str, Any]) -> tuple[int, int]:
@@ -549,8 +538,7 @@ def workload(
     """
     data = os.fspath(data)  # provenance records a plain string
     args = dict(locals())
-    for name, (low, high) in _BOUNDS.items():
-        check_int("ctr", name, args[name], low, high)
+    check_ints("ctr", args, _INTS, _BOUNDS)
     check_arg("ctr", "base_rate", base_rate, 0.0 < base_rate < 1.0, "a number strictly between 0 and 1")
     check_arg("ctr", "lr", lr, lr > 0 and math.isfinite(lr), "a finite number > 0")
     if data == "synthetic":

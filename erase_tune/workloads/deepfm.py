@@ -62,13 +62,12 @@ from erase_tune.workloads import fused_if_cuda
 from erase_tune.workloads.base import Batch, Workload, WorkloadData, split_pools
 from erase_tune.workloads.ctr import _bias_for_rate, _binary_entropy, _standardize  # the same teacher arithmetic
 from erase_tune.workloads.limits import (
-    MAX_SEED,
     SYNTHETIC_BYTES_PER_ROW,
     SYNTHETIC_BYTES_PER_TABLE_ROW,
     TRAINING_BYTES_PER_PARAMETER,
     Need,
     check_arg,
-    check_int,
+    check_ints,
     check_memory,
 )
 
@@ -375,18 +374,11 @@ def _needs(args: dict[str, Any]) -> list[Need]:
     ]  # fmt: skip
 
 
-# Bounds on the integer arguments: far above any real run, low enough that no argument can
-# make the factory hang. batch >= 2: BatchNorm1d cannot normalise one example in training.
-_BOUNDS = {
-    "batch": (2, 2**20),
-    "num_fields": (1, 1024),
-    "rows": (1, 2**40),
-    "emb_dim": (1, 2**14),
-    "train_batches": (1, 2**20),
-    "eval_batches": (1, 2**20),
-    "seed": (0, MAX_SEED),
-}
-
+_INTS = ("batch", "num_fields", "rows", "emb_dim", "train_batches", "eval_batches", "seed")
+"""The integer arguments, checked in this order (bounds: ``limits.INT_BOUNDS`` and :data:`_BOUNDS`)."""
+_BOUNDS = {"batch": (2, 2**20), "num_fields": (1, 1024)}
+"""Bounds of this workload's own: far above any real run, low enough that no argument can make
+the factory hang; batch >= 2, as BatchNorm1d cannot normalise one example in training."""
 
 # wide: the workload's user-facing arguments (--arg key=value)
 def workload(
@@ -416,8 +408,7 @@ def workload(
     examples again (see ``ctr``).
     """
     args = dict(locals())
-    for name, (low, high) in _BOUNDS.items():
-        check_int("deepfm", name, args[name], low, high)
+    check_ints("deepfm", args, _INTS, _BOUNDS)
     parse_hidden(mlp)
     check_arg("deepfm", "dropout", dropout, 0.0 <= dropout < 1.0, "a number in [0, 1)")
     check_arg("deepfm", "lr", lr, lr > 0 and math.isfinite(lr), "a finite number > 0")

@@ -38,7 +38,6 @@ from erase_tune.workloads.ctr import synthetic_ctr
 from erase_tune.workloads.limits import (
     CRITEO_BYTES_PER_LINE,
     CRITEO_MIN_LINE_BYTES,
-    MAX_SEED,
     SYNTHETIC_BYTES_PER_EXAMPLE,
     SYNTHETIC_BYTES_PER_ID,
     SYNTHETIC_BYTES_PER_ROW,
@@ -46,7 +45,7 @@ from erase_tune.workloads.limits import (
     SYNTHETIC_BYTES_PER_TABLE_ROW,
     Need,
     check_arg,
-    check_int,
+    check_ints,
     check_memory,
 )
 
@@ -257,18 +256,8 @@ def cut_candidates(bot: list[int], top: list[int]) -> tuple[str, ...]:
     return tuple(out)
 
 
-# Bounds on the integer arguments: far above any real run, low enough that no argument can
-# make the factory hang.
-_BOUNDS = {
-    "batch": (1, 2**20),
-    "rows": (1, 2**40),
-    "emb_dim": (1, 2**14),
-    "num_tables": (1, 1024),
-    "train_batches": (1, 2**20),
-    "eval_batches": (1, 2**20),
-    "seed": (0, MAX_SEED),
-}
-
+_INTS = ("batch", "rows", "emb_dim", "num_tables", "train_batches", "eval_batches", "seed")
+"""The integer arguments, checked in this order (bounds: ``limits.INT_BOUNDS``)."""
 
 
 # wide: the workload's user-facing arguments (--arg key=value)
@@ -299,8 +288,7 @@ def workload(
     """
     data = os.fspath(data)  # provenance records a plain string
     args = dict(locals())
-    for name, (low, high) in _BOUNDS.items():
-        check_int("dlrm", name, args[name], low, high)
+    check_ints("dlrm", args, _INTS)
     bot, top = parse_mlp(bot_mlp, "bot_mlp"), parse_mlp(top_mlp, "top_mlp")
     check_arg("dlrm", "bot_mlp", bot_mlp, bot[-1] == emb_dim,
               f"layer sizes ending in emb_dim={emb_dim} (the reference's rule)")

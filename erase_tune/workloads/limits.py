@@ -24,12 +24,13 @@ from __future__ import annotations
 import dataclasses
 import os
 from typing import Any
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from erase_tune.errors import WorkloadError, shown
 
 __all__ = [
     "MAX_SEED",
+    "INT_BOUNDS",
     "SYNTHETIC_BYTES_PER_EXAMPLE",
     "SYNTHETIC_BYTES_PER_TABLE",
     "SYNTHETIC_BYTES_PER_ID",
@@ -41,6 +42,7 @@ __all__ = [
     "Need",
     "check_arg",
     "check_int",
+    "check_ints",
     "check_memory",
     "format_bytes",
     "host_memory_bytes",
@@ -62,6 +64,30 @@ def check_int(workload: str, name: str, value: int, low: int, high: int) -> None
         raise WorkloadError(f"workload {workload!r}: argument {name!r} must be an integer >= {low}, got {got}")
     if value > high:
         raise WorkloadError(f"workload {workload!r}: argument {name!r} must be an integer <= {high}, got {got}")
+
+
+INT_BOUNDS = {
+    "batch": (1, 2**20),
+    "rows": (1, 2**40),
+    "emb_dim": (1, 2**14),
+    "num_tables": (1, 1024),
+    "width": (1, 2**16),
+    "train_batches": (1, 2**20),
+    "eval_batches": (1, 2**20),
+    "seed": (0, MAX_SEED),
+}
+"""Bounds on the integer arguments the built-ins share, by name: far above any real run, low
+enough that no argument can make a factory hang. A workload's own are given to :func:`check_ints`."""
+
+
+def check_ints(workload: str, args: Mapping[str, Any], names: Iterable[str],
+               own: Mapping[str, tuple[int, int]] | None = None) -> None:
+    """:func:`check_int` for each of ``names`` in turn, within its bounds in ``own`` where it is
+    there (the workload's own arguments, or its own bound on a shared one), else in :data:`INT_BOUNDS`."""
+    own = own or {}
+    for name in names:
+        low, high = own[name] if name in own else INT_BOUNDS[name]
+        check_int(workload, name, args[name], low, high)
 
 
 def check_arg(workload: str, name: str, value: Any, ok: bool, need: str) -> None:

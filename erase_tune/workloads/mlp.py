@@ -29,13 +29,7 @@ from torch import Tensor, nn
 from erase_tune.errors import WorkloadError, shown
 from erase_tune.workloads import fused_if_cuda
 from erase_tune.workloads.base import Batch, Workload, WorkloadData, prior_entropy
-from erase_tune.workloads.limits import (
-    MAX_SEED,
-    TRAINING_BYTES_PER_PARAMETER,
-    Need,
-    check_int,
-    check_memory,
-)
+from erase_tune.workloads.limits import TRAINING_BYTES_PER_PARAMETER, Need, check_ints, check_memory
 
 __all__ = [
     "NUM_FEATURES",
@@ -218,16 +212,11 @@ def fan_in_adam(params: Iterable[nn.Parameter], *, lr: float) -> torch.optim.Opt
     return fused_if_cuda(torch.optim.Adam, [{"params": ps, "lr": group_lr} for group_lr, ps in groups.items()], lr=lr)
 
 
-# Bounds on the integer arguments: far above any real run, low enough that no argument can
-# make the factory hang.
-_BOUNDS = {
-    "batch": (1, 2**20),
-    "width": (1, 2**16),
-    "depth": (1, 1024),
-    "train_batches": (1, 2**20),
-    "eval_batches": (1, 2**20),
-    "seed": (0, MAX_SEED),
-}
+_INTS = ("batch", "width", "depth", "train_batches", "eval_batches", "seed")
+"""The integer arguments, checked in this order (bounds: ``limits.INT_BOUNDS`` and :data:`_BOUNDS`)."""
+_BOUNDS = {"depth": (1, 1024)}
+"""Bounds on this workload's own integer arguments: far above any real run, low enough that no
+argument can make the factory hang."""
 
 _BYTES_PER_EXAMPLE = 800
 """Peak host memory per pooled example while building the pools (64 float32 features and
@@ -299,8 +288,7 @@ def workload(
     1e-3) and 1.006 (width 1024, lr 3e-4).
     """
     args = dict(locals())
-    for name, (low, high) in _BOUNDS.items():
-        check_int("mlp", name, args[name], low, high)
+    check_ints("mlp", args, _INTS, _BOUNDS)
     if not (lr > 0 and math.isfinite(lr)):
         raise WorkloadError(f"workload 'mlp': argument 'lr' must be a finite number > 0, got {shown(lr)}")
     if dataset not in DATASETS:
