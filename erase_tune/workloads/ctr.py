@@ -31,18 +31,12 @@ from erase_tune.workloads import fused_if_cuda
 from erase_tune.workloads.base import Batch, Workload, WorkloadData, split_pools
 from erase_tune.workloads.criteo import NUM_DENSE, check_criteo_data, load_criteo_batch, load_criteo_split
 from erase_tune.workloads.limits import (
-    CRITEO_BYTES_PER_LINE,
-    CRITEO_MIN_LINE_BYTES,
-    SYNTHETIC_BYTES_PER_EXAMPLE,
-    SYNTHETIC_BYTES_PER_ID,
-    SYNTHETIC_BYTES_PER_ROW,
-    SYNTHETIC_BYTES_PER_TABLE,
-    SYNTHETIC_BYTES_PER_TABLE_ROW,
     TRAINING_BYTES_PER_PARAMETER,
     Need,
     check_arg,
     check_ints,
     check_memory,
+    click_pool_needs,
 )
 
 __all__ = [
@@ -476,9 +470,7 @@ def _needs(args: dict[str, Any]) -> list[Need]:
     """What the model (trained with Adam) and the data pools need, from the arguments alone."""
     tables, dense = _parameter_count(args)
     t, rows, e = args["num_tables"], args["rows"], args["emb_dim"]
-    examples = (args["train_batches"] + args["eval_batches"]) * args["batch"]
-    pools = f"batch={args['batch']} x (train_batches={args['train_batches']} + eval_batches={args['eval_batches']})"
-    needs = [
+    return [
         Need(
             "the embedding tables", tables * TRAINING_BYTES_PER_PARAMETER, f"num_tables={t} x rows={rows} x emb_dim={e}"
         ),
@@ -487,23 +479,8 @@ def _needs(args: dict[str, Any]) -> list[Need]:
             dense * TRAINING_BYTES_PER_PARAMETER,
             f"width={args['width']}, depth={args['depth']}, num_tables={t}, emb_dim={e}, sub_out={args['sub_out']}",
         ),
+        *click_pool_needs(args, bag=args["bag"]),
     ]
-    if args["data"] == "synthetic":
-        per_example = (
-            SYNTHETIC_BYTES_PER_EXAMPLE + SYNTHETIC_BYTES_PER_TABLE * t + SYNTHETIC_BYTES_PER_ID * t * args["bag"]
-        )
-        needs.append(Need("the train/eval pools", examples * per_example, pools))
-        needs.append(
-            Need(
-                "the synthetic ids' popularity order",
-                rows * (SYNTHETIC_BYTES_PER_TABLE_ROW * t + SYNTHETIC_BYTES_PER_ROW),
-                f"num_tables={t} x rows={rows}",
-            )
-        )
-    else:
-        lines = min(examples, os.path.getsize(args["data"]) // CRITEO_MIN_LINE_BYTES + 1)
-        needs.append(Need("the train/eval pools", lines * CRITEO_BYTES_PER_LINE, pools))
-    return needs
 
 
 

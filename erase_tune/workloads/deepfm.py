@@ -62,13 +62,13 @@ from erase_tune.workloads import fused_if_cuda
 from erase_tune.workloads.base import Batch, Workload, WorkloadData, split_pools
 from erase_tune.workloads.ctr import _bias_for_rate, _binary_entropy, _standardize  # the same teacher arithmetic
 from erase_tune.workloads.limits import (
-    SYNTHETIC_BYTES_PER_ROW,
-    SYNTHETIC_BYTES_PER_TABLE_ROW,
     TRAINING_BYTES_PER_PARAMETER,
     Need,
     check_arg,
     check_ints,
     check_memory,
+    pool_need,
+    popularity_need,
 )
 
 __all__ = [
@@ -360,17 +360,14 @@ _POOL_BYTES_PER_FIELD = 70
 def _needs(args: dict[str, Any]) -> list[Need]:
     """What the model (trained with Adam) and the data pools need, from the arguments alone."""
     embedding, linear, mlp = _parameter_count(args)
-    f, rows, e, batch = args["num_fields"], args["rows"], args["emb_dim"], args["batch"]
-    examples = (args["train_batches"] + args["eval_batches"]) * batch
+    f, rows, e = args["num_fields"], args["rows"], args["emb_dim"]
     return [
         Need("the shared embedding", embedding * TRAINING_BYTES_PER_PARAMETER,
              f"num_fields={f} x rows={rows} x emb_dim={e}"),
         Need("the linear term's table", linear * TRAINING_BYTES_PER_PARAMETER, f"num_fields={f} x rows={rows}"),
         Need("the MLP", mlp * TRAINING_BYTES_PER_PARAMETER, f"mlp={args['mlp']!r}, num_fields={f}, emb_dim={e}"),
-        Need("the train/eval pools", examples * (_POOL_BYTES_PER_EXAMPLE + _POOL_BYTES_PER_FIELD * f),
-             f"batch={batch} x (train_batches={args['train_batches']} + eval_batches={args['eval_batches']})"),
-        Need("the synthetic ids' popularity order",
-             rows * (SYNTHETIC_BYTES_PER_TABLE_ROW * f + SYNTHETIC_BYTES_PER_ROW), f"num_fields={f} x rows={rows}"),
+        pool_need(args, _POOL_BYTES_PER_EXAMPLE + _POOL_BYTES_PER_FIELD * f),
+        popularity_need(f, rows, f"num_fields={f} x rows={rows}"),
     ]  # fmt: skip
 
 

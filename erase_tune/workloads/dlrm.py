@@ -35,19 +35,7 @@ from erase_tune.errors import WorkloadError, shown
 from erase_tune.workloads.base import Batch, Workload, WorkloadData, split_pools
 from erase_tune.workloads.criteo import NUM_DENSE, check_criteo_data, load_criteo_batch, load_criteo_split
 from erase_tune.workloads.ctr import synthetic_ctr
-from erase_tune.workloads.limits import (
-    CRITEO_BYTES_PER_LINE,
-    CRITEO_MIN_LINE_BYTES,
-    SYNTHETIC_BYTES_PER_EXAMPLE,
-    SYNTHETIC_BYTES_PER_ID,
-    SYNTHETIC_BYTES_PER_ROW,
-    SYNTHETIC_BYTES_PER_TABLE,
-    SYNTHETIC_BYTES_PER_TABLE_ROW,
-    Need,
-    check_arg,
-    check_ints,
-    check_memory,
-)
+from erase_tune.workloads.limits import Need, check_arg, check_ints, check_memory, click_pool_needs
 
 __all__ = ["DLRM_Net", "parse_mlp", "workload"]
 
@@ -221,26 +209,15 @@ def _needs(args: dict[str, Any]) -> list[Need]:
     """What the model (trained with plain SGD) and the data pools need, from the arguments alone."""
     tables, dense = _parameter_count(args)
     t, rows, e, batch = args["num_tables"], args["rows"], args["emb_dim"], args["batch"]
-    examples = (args["train_batches"] + args["eval_batches"]) * batch
-    pools = f"batch={batch} x (train_batches={args['train_batches']} + eval_batches={args['eval_batches']})"
-    needs = [
+    return [
         Need("the embedding tables", tables * _TABLE_BYTES_PER_PARAMETER,
              f"num_tables={t} x rows={rows} x emb_dim={e}"),
         Need("the sparse gradients", _SPARSE_GRAD_COPIES * batch * t * (4 * e + 8),
              f"batch={batch} x num_tables={t} x emb_dim={e}"),
         Need("the MLPs", dense * _DENSE_BYTES_PER_PARAMETER,
              f"bot_mlp={args['bot_mlp']!r}, top_mlp={args['top_mlp']!r}, num_tables={t}, emb_dim={e}"),
+        *click_pool_needs(args, bag=1),  # one id per table and example
     ]  # fmt: skip
-    if args["data"] == "synthetic":
-        per_example = SYNTHETIC_BYTES_PER_EXAMPLE + (SYNTHETIC_BYTES_PER_TABLE + SYNTHETIC_BYTES_PER_ID) * t
-        needs.append(Need("the train/eval pools", examples * per_example, pools))
-        needs.append(Need("the synthetic ids' popularity order",
-                          rows * (SYNTHETIC_BYTES_PER_TABLE_ROW * t + SYNTHETIC_BYTES_PER_ROW),
-                          f"num_tables={t} x rows={rows}"))  # fmt: skip
-    else:
-        lines = min(examples, os.path.getsize(args["data"]) // CRITEO_MIN_LINE_BYTES + 1)
-        needs.append(Need("the train/eval pools", lines * CRITEO_BYTES_PER_LINE, pools))
-    return needs
 
 
 def cut_candidates(bot: list[int], top: list[int]) -> tuple[str, ...]:

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from erase_tune.errors import WorkloadError, shown
 from erase_tune.workloads import fused_if_cuda
 from erase_tune.workloads.base import Batch, Workload, WorkloadData, prior_entropy
-from erase_tune.workloads.limits import TRAINING_BYTES_PER_PARAMETER, Need, check_ints, check_memory
+from erase_tune.workloads.limits import TRAINING_BYTES_PER_PARAMETER, Need, check_ints, check_memory, pool_need
 
 __all__ = [
     "NUM_FEATURES",
@@ -234,14 +234,9 @@ def _parameter_count(args: dict[str, Any]) -> int:
 def _needs(args: dict[str, Any]) -> list[Need]:
     """What the model (trained with Adam) and the data pools need, from the arguments alone."""
     params = _parameter_count(args)
-    examples = (args["train_batches"] + args["eval_batches"]) * args["batch"]
     return [
         Need("the model", params * TRAINING_BYTES_PER_PARAMETER, f"depth={args['depth']}, width={args['width']}"),
-        Need(
-            "the train/eval pools",
-            examples * _BYTES_PER_EXAMPLE,
-            f"batch={args['batch']} x (train_batches={args['train_batches']} + eval_batches={args['eval_batches']})",
-        ),
+        pool_need(args, _BYTES_PER_EXAMPLE),
     ]
 
 
