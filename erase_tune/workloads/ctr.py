@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from erase_tune.workloads import fused_if_cuda
-from erase_tune.workloads.base import Batch, Workload, WorkloadData, split_pools
+from erase_tune.workloads.base import Batch, Workload, WorkloadData, builtin_workload, split_pools
 from erase_tune.workloads.criteo import NUM_DENSE, check_criteo_data, load_criteo_batch, load_criteo_split
 from erase_tune.workloads.limits import (
     TRAINING_BYTES_PER_PARAMETER,
@@ -519,26 +518,16 @@ def workload(
     check_arg("ctr", "base_rate", base_rate, 0.0 < base_rate < 1.0, "a number strictly between 0 and 1")
     check_arg("ctr", "lr", lr, lr > 0 and math.isfinite(lr), "a finite number > 0")
     if data == "synthetic":
-        make_data: Callable[[torch.device], WorkloadData] = functools.partial(_synthetic_data, args=args)
-        make_example: Callable[[torch.device], Batch] = functools.partial(_synthetic_example, args=args)
+        make_data, make_example = _synthetic_data, _synthetic_example
     else:
         check_criteo_data("ctr", data, num_tables)
         check_arg("ctr", "bag", bag, bag == 1, "1 with Criteo data")
-        make_data = functools.partial(_criteo_data, args=args)
-        make_example = functools.partial(_criteo_example, args=args)
+        make_data, make_example = _criteo_data, _criteo_example
     check_memory("ctr", _needs(args))
-    return Workload(
-        name="ctr",
-        args=dict(args),
-        build_model=functools.partial(_build_model, args=args),
-        loss_fn=F.binary_cross_entropy_with_logits,
-        make_data=make_data,
-        cut_candidates=tuple(f"subarchs.{i}" for i in range(6)),
-        batch_size=batch,
-        optimizer=functools.partial(fused_if_cuda, torch.optim.Adam, lr=lr),
-        make_head=_make_head,
-        make_example=make_example,
-    )
+    return builtin_workload("ctr", args, build_model=_build_model, make_data=make_data, make_example=make_example,
+                            loss_fn=F.binary_cross_entropy_with_logits, make_head=_make_head,
+                            cut_candidates=tuple(f"subarchs.{i}" for i in range(6)),
+                            optimizer=functools.partial(fused_if_cuda, torch.optim.Adam, lr=lr))
 
 
 class _LogitHead(nn.Module):

@@ -59,7 +59,7 @@ from torch import Tensor, nn
 
 from erase_tune.errors import WorkloadError, shown
 from erase_tune.workloads import fused_if_cuda
-from erase_tune.workloads.base import Batch, Workload, WorkloadData, split_pools
+from erase_tune.workloads.base import Batch, Workload, WorkloadData, builtin_workload, split_pools
 from erase_tune.workloads.ctr import _bias_for_rate, _binary_entropy, _standardize  # the same teacher arithmetic
 from erase_tune.workloads.limits import (
     TRAINING_BYTES_PER_PARAMETER,
@@ -377,6 +377,7 @@ _BOUNDS = {"batch": (2, 2**20), "num_fields": (1, 1024)}
 """Bounds of this workload's own: far above any real run, low enough that no argument can make
 the factory hang; batch >= 2, as BatchNorm1d cannot normalise one example in training."""
 
+
 # wide: the workload's user-facing arguments (--arg key=value)
 def workload(
     *,
@@ -410,14 +411,6 @@ def workload(
     check_arg("deepfm", "dropout", dropout, 0.0 <= dropout < 1.0, "a number in [0, 1)")
     check_arg("deepfm", "lr", lr, lr > 0 and math.isfinite(lr), "a finite number > 0")
     check_memory("deepfm", _needs(args))
-    return Workload(
-        name="deepfm",
-        args=dict(args),
-        build_model=functools.partial(_build_model, args=args),
-        loss_fn=F.binary_cross_entropy_with_logits,
-        make_data=functools.partial(_make_data, args=args),
-        cut_candidates=CANDIDATES,
-        batch_size=batch,
-        optimizer=functools.partial(fused_if_cuda, torch.optim.Adam, lr=lr),
-        make_example=functools.partial(_make_example, args=args),
-    )
+    return builtin_workload("deepfm", args, build_model=_build_model, make_data=_make_data, make_example=_make_example,
+                            loss_fn=F.binary_cross_entropy_with_logits, cut_candidates=CANDIDATES,
+                            optimizer=functools.partial(fused_if_cuda, torch.optim.Adam, lr=lr))

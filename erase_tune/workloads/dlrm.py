@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from erase_tune.errors import WorkloadError, shown
-from erase_tune.workloads.base import Batch, Workload, WorkloadData, split_pools
+from erase_tune.workloads.base import Batch, Workload, WorkloadData, builtin_workload, split_pools
 from erase_tune.workloads.criteo import NUM_DENSE, check_criteo_data, load_criteo_batch, load_criteo_split
 from erase_tune.workloads.ctr import synthetic_ctr
 from erase_tune.workloads.limits import Need, check_arg, check_ints, check_memory, click_pool_needs
@@ -237,6 +236,7 @@ _INTS = ("batch", "rows", "emb_dim", "num_tables", "train_batches", "eval_batche
 """The integer arguments, checked in this order (bounds: ``limits.INT_BOUNDS``)."""
 
 
+
 # wide: the workload's user-facing arguments (--arg key=value)
 def workload(
     *,
@@ -272,22 +272,12 @@ def workload(
     check_arg("dlrm", "top_mlp", top_mlp, top[-1] == 1, "layer sizes ending in 1 (one click probability)")
     check_arg("dlrm", "lr", lr, lr > 0 and math.isfinite(lr), "a finite number > 0")
     if data == "synthetic":
-        make_data: Callable[[torch.device], WorkloadData] = functools.partial(_synthetic_data, args=args)
-        make_example: Callable[[torch.device], Batch] = functools.partial(_synthetic_example, args=args)
+        make_data, make_example = _synthetic_data, _synthetic_example
     else:
         check_criteo_data("dlrm", data, num_tables)
-        make_data = functools.partial(_criteo_data, args=args)
-        make_example = functools.partial(_criteo_example, args=args)
+        make_data, make_example = _criteo_data, _criteo_example
     check_memory("dlrm", _needs(args))
-    return Workload(
-        name="dlrm",
-        args=dict(args),
-        build_model=functools.partial(_build_model, args=args),
-        loss_fn=F.binary_cross_entropy,  # BCELoss, mean over the batch
-        make_data=make_data,
-        cut_candidates=cut_candidates(bot, top),
-        batch_size=batch,
-        # Plain SGD, as the reference: it takes the tables' sparse gradients as they are.
-        optimizer=functools.partial(torch.optim.SGD, lr=lr),
-        make_example=make_example,
-    )
+    # BCELoss, mean over the batch; plain SGD, as the reference: it takes the tables' sparse gradients as they are.
+    return builtin_workload("dlrm", args, build_model=_build_model, make_data=make_data, make_example=make_example,
+                            loss_fn=F.binary_cross_entropy, cut_candidates=cut_candidates(bot, top),
+                            optimizer=functools.partial(torch.optim.SGD, lr=lr))

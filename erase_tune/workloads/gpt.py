@@ -40,8 +40,8 @@ from torch import Tensor, nn
 
 from erase_tune.errors import WorkloadError, shown
 from erase_tune.workloads import fused_if_cuda
-from erase_tune.workloads.base import Batch, Workload, WorkloadData, prior_entropy
-from erase_tune.workloads.limits import TRAINING_BYTES_PER_PARAMETER, Need, check_ints, check_memory
+from erase_tune.workloads.base import Batch, Workload, WorkloadData, builtin_workload, prior_entropy
+from erase_tune.workloads.limits import TRAINING_BYTES_PER_PARAMETER, Need, check_arg, check_ints, check_memory
 
 __all__ = [
     "VOCAB_SIZE",
@@ -338,17 +338,8 @@ def workload(
         raise WorkloadError(f"workload 'gpt': argument 'dtype' must be 'float32' or 'bfloat16', got {shown(dtype)}")
     if n_embd % n_head:
         raise WorkloadError(f"workload 'gpt': argument 'n_embd' ({n_embd}) must be a multiple of 'n_head' ({n_head})")
-    if not (lr > 0 and math.isfinite(lr)):
-        raise WorkloadError(f"workload 'gpt': argument 'lr' must be a finite number > 0, got {shown(lr)}")
+    check_arg("gpt", "lr", lr, lr > 0 and math.isfinite(lr), "a finite number > 0")
     check_memory("gpt", _needs(args))
-    return Workload(
-        name="gpt",
-        args=dict(args),
-        build_model=functools.partial(_build_model, args=args),
-        loss_fn=lm_loss,
-        make_data=functools.partial(_make_data, args=args),
-        cut_candidates=cut_candidates(n_layer),
-        batch_size=batch,
-        optimizer=functools.partial(fused_if_cuda, torch.optim.AdamW, lr=lr),
-        make_example=functools.partial(_example, args=args),
-    )
+    return builtin_workload("gpt", args, build_model=_build_model, make_data=_make_data, make_example=_example,
+                            loss_fn=lm_loss, cut_candidates=cut_candidates(n_layer),
+                            optimizer=functools.partial(fused_if_cuda, torch.optim.AdamW, lr=lr))

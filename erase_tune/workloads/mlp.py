@@ -28,8 +28,15 @@ from torch import Tensor, nn
 
 from erase_tune.errors import WorkloadError, shown
 from erase_tune.workloads import fused_if_cuda
-from erase_tune.workloads.base import Batch, Workload, WorkloadData, prior_entropy
-from erase_tune.workloads.limits import TRAINING_BYTES_PER_PARAMETER, Need, check_ints, check_memory, pool_need
+from erase_tune.workloads.base import Batch, Workload, WorkloadData, builtin_workload, prior_entropy
+from erase_tune.workloads.limits import (
+    TRAINING_BYTES_PER_PARAMETER,
+    Need,
+    check_arg,
+    check_ints,
+    check_memory,
+    pool_need,
+)
 
 __all__ = [
     "NUM_FEATURES",
@@ -284,8 +291,7 @@ def workload(
     """
     args = dict(locals())
     check_ints("mlp", args, _INTS, _BOUNDS)
-    if not (lr > 0 and math.isfinite(lr)):
-        raise WorkloadError(f"workload 'mlp': argument 'lr' must be a finite number > 0, got {shown(lr)}")
+    check_arg("mlp", "lr", lr, lr > 0 and math.isfinite(lr), "a finite number > 0")
     if dataset not in DATASETS:
         raise WorkloadError(
             f"workload 'mlp': argument 'dataset' must be one of {', '.join(DATASETS)}, got {shown(dataset)}"
@@ -295,14 +301,6 @@ def workload(
             "workload 'mlp': dataset 'digits' needs scikit-learn, which is not installed (use dataset='synthetic')"
         )
     check_memory("mlp", _needs(args))
-    return Workload(
-        name="mlp",
-        args=dict(args),
-        build_model=functools.partial(_build_model, args=args),
-        loss_fn=F.cross_entropy,
-        make_data=functools.partial(_make_data, args=args),
-        cut_candidates=cut_candidates(depth),
-        batch_size=batch,
-        optimizer=functools.partial(fan_in_adam, lr=lr),
-        make_example=functools.partial(_example, args=args),
-    )
+    return builtin_workload("mlp", args, build_model=_build_model, make_data=_make_data, make_example=_example,
+                            loss_fn=F.cross_entropy, cut_candidates=cut_candidates(depth),
+                            optimizer=functools.partial(fan_in_adam, lr=lr))
