@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from erase_tune.workloads.limits import Need, check_memory
+
 __all__ = ["Batch", "WorkloadData", "Workload", "Task", "TaskLossError", "builtin_workload", "prior_entropy"]
 
 Batch = tuple[tuple[Tensor, ...], Tensor]
@@ -302,12 +304,15 @@ class Workload:
         return prior_entropy(labels)
 
 
-def builtin_workload(name: str, args: dict[str, Any], *, build_model: Callable[..., nn.Module],
-                     make_data: Callable[..., WorkloadData], make_example: Callable[..., Batch],
-                     **fields: Any) -> Workload:
-    """A built-in's :class:`Workload` from its checked arguments ``args``: recorded (a copy), its
-    ``build_model``, ``make_data`` and ``make_example`` bound to them (keyword ``args``), its batch
-    size ``args["batch"]``; ``fields`` are the rest (loss, cut candidates, optimizer, ...)."""
+def builtin_workload(name: str, args: dict[str, Any], needs: Callable[[dict[str, Any]], Iterable[Need]], *,
+                     build_model: Callable[..., nn.Module], make_data: Callable[..., WorkloadData],
+                     make_example: Callable[..., Batch], **fields: Any) -> Workload:
+    """A built-in's :class:`Workload` from its checked arguments ``args``, once the memory they need
+    (``needs(args)``) is found to fit (:func:`~erase_tune.workloads.limits.check_memory`): the
+    arguments recorded (a copy), ``build_model``, ``make_data`` and ``make_example`` bound to them
+    (keyword ``args``), the batch size ``args["batch"]``; ``fields`` are the rest (loss, cut
+    candidates, optimizer, ...)."""
+    check_memory(name, needs(args))
     return Workload(name=name, args=dict(args), build_model=functools.partial(build_model, args=args),
                     make_data=functools.partial(make_data, args=args), batch_size=args["batch"],
                     make_example=functools.partial(make_example, args=args), **fields)

@@ -29,14 +29,7 @@ from torch import Tensor, nn
 from erase_tune.workloads import fused_if_cuda
 from erase_tune.workloads.base import Batch, Workload, WorkloadData, builtin_workload, split_pools
 from erase_tune.workloads.criteo import NUM_DENSE, check_criteo_data, load_criteo_batch, load_criteo_split
-from erase_tune.workloads.limits import (
-    TRAINING_BYTES_PER_PARAMETER,
-    Need,
-    check_arg,
-    check_ints,
-    check_memory,
-    click_pool_needs,
-)
+from erase_tune.workloads.limits import TRAINING_BYTES_PER_PARAMETER, Need, check_arg, check_ints, click_pool_needs
 
 __all__ = [
     "SparseArch",
@@ -523,10 +516,9 @@ def workload(
         check_criteo_data("ctr", data, num_tables)
         check_arg("ctr", "bag", bag, bag == 1, "1 with Criteo data")
         make_data, make_example = _criteo_data, _criteo_example
-    check_memory("ctr", _needs(args))
-    return builtin_workload("ctr", args, build_model=_build_model, make_data=make_data, make_example=make_example,
-                            loss_fn=F.binary_cross_entropy_with_logits, make_head=_make_head,
-                            cut_candidates=tuple(f"subarchs.{i}" for i in range(6)),
+    return builtin_workload("ctr", args, _needs, build_model=_build_model, make_data=make_data,
+                            make_example=make_example, loss_fn=F.binary_cross_entropy_with_logits,
+                            make_head=_make_head, cut_candidates=tuple(f"subarchs.{i}" for i in range(6)),
                             optimizer=functools.partial(fused_if_cuda, torch.optim.Adam, lr=lr))
 
 

@@ -66,7 +66,6 @@ from erase_tune.workloads.limits import (
     Need,
     check_arg,
     check_ints,
-    check_memory,
     pool_need,
     popularity_need,
 )
@@ -410,7 +409,7 @@ def workload(
     parse_hidden(mlp)
     check_arg("deepfm", "dropout", dropout, 0.0 <= dropout < 1.0, "a number in [0, 1)")
     check_arg("deepfm", "lr", lr, lr > 0 and math.isfinite(lr), "a finite number > 0")
-    check_memory("deepfm", _needs(args))
-    return builtin_workload("deepfm", args, build_model=_build_model, make_data=_make_data, make_example=_make_example,
-                            loss_fn=F.binary_cross_entropy_with_logits, cut_candidates=CANDIDATES,
+    return builtin_workload("deepfm", args, _needs, build_model=_build_model, make_data=_make_data,
+                            make_example=_make_example, loss_fn=F.binary_cross_entropy_with_logits,
+                            cut_candidates=CANDIDATES,
                             optimizer=functools.partial(fused_if_cuda, torch.optim.Adam, lr=lr))

@@ -34,7 +34,7 @@ from erase_tune.errors import WorkloadError, shown
 from erase_tune.workloads.base import Batch, Workload, WorkloadData, builtin_workload, split_pools
 from erase_tune.workloads.criteo import NUM_DENSE, check_criteo_data, load_criteo_batch, load_criteo_split
 from erase_tune.workloads.ctr import synthetic_ctr
-from erase_tune.workloads.limits import Need, check_arg, check_ints, check_memory, click_pool_needs
+from erase_tune.workloads.limits import Need, check_arg, check_ints, click_pool_needs
 
 __all__ = ["DLRM_Net", "parse_mlp", "workload"]
 
@@ -276,8 +276,8 @@ def workload(
     else:
         check_criteo_data("dlrm", data, num_tables)
         make_data, make_example = _criteo_data, _criteo_example
-    check_memory("dlrm", _needs(args))
     # BCELoss, mean over the batch; plain SGD, as the reference: it takes the tables' sparse gradients as they are.
-    return builtin_workload("dlrm", args, build_model=_build_model, make_data=make_data, make_example=make_example,
-                            loss_fn=F.binary_cross_entropy, cut_candidates=cut_candidates(bot, top),
+    return builtin_workload("dlrm", args, _needs, build_model=_build_model, make_data=make_data,
+                            make_example=make_example, loss_fn=F.binary_cross_entropy,
+                            cut_candidates=cut_candidates(bot, top),
                             optimizer=functools.partial(torch.optim.SGD, lr=lr))

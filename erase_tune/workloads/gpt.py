@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from erase_tune.errors import WorkloadError, shown
 from erase_tune.workloads import fused_if_cuda
 from erase_tune.workloads.base import Batch, Workload, WorkloadData, builtin_workload, prior_entropy
-from erase_tune.workloads.limits import TRAINING_BYTES_PER_PARAMETER, Need, check_arg, check_ints, check_memory
+from erase_tune.workloads.limits import TRAINING_BYTES_PER_PARAMETER, Need, check_arg, check_ints
 
 __all__ = [
     "VOCAB_SIZE",
@@ -339,7 +339,6 @@ def workload(
     if n_embd % n_head:
         raise WorkloadError(f"workload 'gpt': argument 'n_embd' ({n_embd}) must be a multiple of 'n_head' ({n_head})")
     check_arg("gpt", "lr", lr, lr > 0 and math.isfinite(lr), "a finite number > 0")
-    check_memory("gpt", _needs(args))
-    return builtin_workload("gpt", args, build_model=_build_model, make_data=_make_data, make_example=_example,
-                            loss_fn=lm_loss, cut_candidates=cut_candidates(n_layer),
+    return builtin_workload("gpt", args, _needs, build_model=_build_model, make_data=_make_data,
+                            make_example=_example, loss_fn=lm_loss, cut_candidates=cut_candidates(n_layer),
                             optimizer=functools.partial(fused_if_cuda, torch.optim.AdamW, lr=lr))

@@ -29,14 +29,7 @@ from torch import Tensor, nn
 from erase_tune.errors import WorkloadError, shown
 from erase_tune.workloads import fused_if_cuda
 from erase_tune.workloads.base import Batch, Workload, WorkloadData, builtin_workload, prior_entropy
-from erase_tune.workloads.limits import (
-    TRAINING_BYTES_PER_PARAMETER,
-    Need,
-    check_arg,
-    check_ints,
-    check_memory,
-    pool_need,
-)
+from erase_tune.workloads.limits import TRAINING_BYTES_PER_PARAMETER, Need, check_arg, check_ints, pool_need
 
 __all__ = [
     "NUM_FEATURES",
@@ -300,7 +293,6 @@ def workload(
         raise WorkloadError(
             "workload 'mlp': dataset 'digits' needs scikit-learn, which is not installed (use dataset='synthetic')"
         )
-    check_memory("mlp", _needs(args))
-    return builtin_workload("mlp", args, build_model=_build_model, make_data=_make_data, make_example=_example,
-                            loss_fn=F.cross_entropy, cut_candidates=cut_candidates(depth),
+    return builtin_workload("mlp", args, _needs, build_model=_build_model, make_data=_make_data,
+                            make_example=_example, loss_fn=F.cross_entropy, cut_candidates=cut_candidates(depth),
                             optimizer=functools.partial(fan_in_adam, lr=lr))
