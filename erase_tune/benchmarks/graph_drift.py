@@ -16,6 +16,7 @@ import sys
 import textwrap
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -35,12 +36,8 @@ def _drift_without_class_swap(drift: Callable[[str], None]) -> None:
     add_src = textwrap.dedent(inspect.getsource(joinmod.LazyJoin.add)).replace("if type(t) is Tensor:", "if False:")
     ns = {}
     exec(add_src, {**joinmod.__dict__}, ns)
-    orig_add = joinmod.LazyJoin.add
-    joinmod.LazyJoin.add = ns["add"]
-    try:
+    with mock.patch.object(joinmod.LazyJoin, "add", ns["add"]):
         drift("D: aliases, no class swap")
-    finally:
-        joinmod.LazyJoin.add = orig_add
 
 
 def _drift_with_record_stream(drift: Callable[[str], None]) -> None:
@@ -54,11 +51,8 @@ def _drift_with_record_stream(drift: Callable[[str], None]) -> None:
                 t.record_stream(stream)
         return orig_add(self, outputs, inputs, done, stream, written)
 
-    joinmod.LazyJoin.add = add_rs
-    try:
+    with mock.patch.object(joinmod.LazyJoin, "add", add_rs):
         drift("E: record_stream of inputs")
-    finally:
-        joinmod.LazyJoin.add = orig_add
 
 
 def _drift_with_synced_replays(drift: Callable[[str], None]) -> None:
@@ -76,13 +70,10 @@ def _drift_with_synced_replays(drift: Callable[[str], None]) -> None:
             torch.cuda.synchronize()
         return orig_call(self, *a, **k)
 
-    try:
-        pc.CutRunner.__call__ = synced_replay
+    with mock.patch.object(pc.CutRunner, "__call__", synced_replay):
         drift("F: sync after replayed cuts only")
-        pc.CutRunner.__call__ = synced_before
+    with mock.patch.object(pc.CutRunner, "__call__", synced_before):
         drift("G: sync before replayed cuts only")
-    finally:
-        pc.CutRunner.__call__ = orig_call
 
 
 @case("graph_drift", Options, cuda="required", recorded_with="scripts/per_cut_graph_drift.py",

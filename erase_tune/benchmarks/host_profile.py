@@ -33,20 +33,15 @@ from typing import Any
 import torch
 
 from erase_tune.benchmarks.case import Context, case, opt
-from erase_tune.benchmarks.host_table import _Plain, _Start  # the plain loop, with a cut's work by hand
+from erase_tune.benchmarks.host_table import WorkloadOptions, _Plain, _Start  # the plain loop, with a cut's work by hand
 from erase_tune.measure.hostcpu import blocking_sync, host_cpu_interleaved, host_tax
 from erase_tune.measure.timing import ORDERS
 from erase_tune.measure.trial import GRAPH_WARMUP, Variant, build_engine
 from erase_tune.runtime import Cut, ErasePlan, Placement
-from erase_tune.runtime.device import resolve_device
-from erase_tune.workloads import get_workload, workload_args
 
 
 @dataclasses.dataclass
-class Options:
-    workload: str = opt("dlrm", "the workload")
-    arg: list[str] = opt([], "a workload argument KEY=VALUE")
-    device: str = opt("auto", "device (auto, cuda, cpu)")
+class Options(WorkloadOptions):
     module: str = opt("auto", "the placed module (auto: the model's last leaf)")
     cut: str | None = opt(None, "profile a blocking cut of this module against its work done by hand")
     order: str = opt("rotate", "runners' order in each round of the attribution", choices=ORDERS)
@@ -104,11 +99,8 @@ def _function_table(stats: dict[str, dict], variants: dict[str, Any], steps: int
                "00.8 The lean join verified and shipped (attribution; what each variant calls, counted)"))
 def host_profile(a: Options, ctx: Context) -> dict[str, Any]:
     result: dict[str, Any] = {"unprofiled_cpu_us": {}, "functions": []}
-    args = workload_args(a.arg)
-    wl = get_workload(a.workload, args)
-    device = resolve_device(a.device)
-    torch.manual_seed(0)
-    data, init = wl.make_data(device), wl.build_model()
+    start = a.start()
+    wl, init, data, device = start.workload, start.init, start.data, start.device
     module = a.module if a.module != "auto" else [n for n, m in init.named_modules() if n and not list(m.children())][-1]
     variants, again = _variants(a, wl, init, data, device, module)
     stats = {}

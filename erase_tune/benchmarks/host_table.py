@@ -53,6 +53,24 @@ class _Start:
     device: torch.device
 
 
+@dataclasses.dataclass
+class WorkloadOptions:
+    """The options the host cases start from (host_table, host_profile, host_trace): the workload,
+    its arguments and the device."""
+
+    workload: str = opt("dlrm", "the workload")
+    arg: list[str] = opt([], "a workload argument KEY=VALUE")
+    device: str = opt("auto", "device (auto, cuda, cpu)")
+
+    def start(self) -> _Start:
+        """The workload these options name, built; its data and initial model (torch seeded 0 first)."""
+        workload = get_workload(self.workload, workload_args(self.arg))
+        device = resolve_device(self.device)
+        torch.manual_seed(0)
+        data, init = workload.make_data(device), workload.build_model()
+        return _Start(workload, init, data, device)
+
+
 class _Plain:
     """The user's loop: zero_grad, forward, loss, backward, step (optionally under a mode, or
     with one module replaced by its hand-made graphed callable)."""
@@ -112,10 +130,7 @@ class _Plain:
 
 
 @dataclasses.dataclass
-class Options:
-    workload: str = opt("dlrm", "the workload")
-    arg: list[str] = opt([], "workload argument KEY=VALUE")
-    device: str = opt("auto", "device (auto, cuda, cpu)")
+class Options(WorkloadOptions):
     place: str = opt("bot_l", "the module placed and cut")
     graph: str = opt("top_l", "the module graphed (by hand and by the engine)")
     also_graph: str = opt("bot_l", "graphed beside --graph in the last engine row")
@@ -176,16 +191,12 @@ def _table(rows: list[dict], batch: int, cpu, a: Options) -> list[str]:
                "00.4 The host tax as CPU time", "00.6 The stream fast path (the host table again)",
                "00.7 A lean join (host table with by-hand rows)", "00.8 Host CPU µs per step over the plain loop"))
 def host_table(a: Options, ctx: Context) -> dict[str, Any]:
-    args = workload_args(a.arg)
-    workload = get_workload(a.workload, args)
-    device = resolve_device(a.device)
-    torch.manual_seed(0)
-    data, init = workload.make_data(device), workload.build_model()
+    start = a.start()
+    workload, init, data, device = start.workload, start.init, start.data, start.device
     cuda = device.type == "cuda"
     p = a.place
     tiny = _last_leaf(init) if a.negligible == "auto" else a.negligible
     plans = _plans(a, tiny, cuda)
-    start = _Start(workload, init, data, device)
     runners = {"plain loop": _Plain(start),
                "plain loop, a second copy (A/A: the resolution)": _Plain(start),
                "plain loop, pass-through TorchFunctionMode": _Plain(start, mode=True)}

@@ -22,19 +22,16 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from erase_tune.benchmarks.case import Context, case, opt
+from erase_tune.benchmarks.host_table import WorkloadOptions
 from erase_tune.measure.trial import Variant, build_engine
 from erase_tune.runtime import Cut, ErasePlan, Graphed, Placement
-from erase_tune.runtime.device import resolve_device, synchronize
-from erase_tune.workloads import get_workload, workload_args
+from erase_tune.runtime.device import synchronize
 
 BLOCKING = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
 @dataclasses.dataclass
-class Options:
-    workload: str = opt("dlrm", "the workload")
-    arg: list[str] = opt([], "a workload argument KEY=VALUE")
-    device: str = opt("auto", "device (auto, cuda, cpu)")
+class Options(WorkloadOptions):
     place: str = opt("bot_l", "the module placed, cut and graphed")
     steps: int = opt(5, "profiled steps per variant")
 
@@ -43,10 +40,8 @@ class Options:
       description="CUDA runtime calls that block the host per step, per variant, from a profiler trace",
       figures=("00.2a What the placement's cost is: a profiler trace of dlrm's step",))
 def host_trace(a: Options, ctx: Context) -> dict[str, Any]:
-    args = workload_args(a.arg)
-    workload, device = get_workload(a.workload, args), resolve_device(a.device)
-    torch.manual_seed(0)
-    data, init = workload.make_data(device), workload.build_model()
+    start = a.start()
+    workload, init, data, device = start.workload, start.init, start.data, start.device
     p = a.place
     plans = {"empty plan": ErasePlan(),
              f"{p} placed": ErasePlan(placements=(Placement(module=p, stream=1),), num_streams=1),

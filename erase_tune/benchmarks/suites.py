@@ -100,6 +100,11 @@ def _bench_ctr(name: str, limit: int, batch: int) -> Step:
     return Step(name, limit, "0", et("bench", "--workload", "ctr", "--arg", f"batch={batch}", *CTR[2:]))
 
 
+def _gpu_tests(limit: int, *paths: str) -> Step:
+    """The ``gputests`` step: the GPU-marked tests under ``paths``, quiet, without pytest's cache."""
+    return Step("gputests", limit, "0", pytest("-q", "-m", "gpu", *paths, "-p", "no:cacheprovider"))
+
+
 def _study(name: str, limit: int, gpus: str, space: str, study: str, db: str, *more: str) -> Step:
     return Step(name, limit, gpus, et("start", "--space", space, "--study", study, "--storage",
                                       f"sqlite:///{{work}}/{db}", *more))
@@ -233,9 +238,8 @@ SUITE_LIST: list[Suite] = [
                                                   "--json")))),
     Suite("h", "the host cost on dlrm at batch 4096 (issue 16): host-CPU and reference GPU tests, the host table, bench",
           ("00.1 Where a host-bound step's time goes, re-measured on the product", "00.2 A real study on dlrm (bench)"),
-          seq(Step("gputests", 150, "0", pytest("-q", "-m", "gpu", "tests/measure/test_hostcpu.py",
-                                                "tests/test_reference_gpu.py", "tests/tune/test_reference_gpu.py",
-                                                "-p", "no:cacheprovider")),
+          seq(_gpu_tests(150, "tests/measure/test_hostcpu.py", "tests/test_reference_gpu.py",
+                         "tests/tune/test_reference_gpu.py"),
               Step("host_table", 330, "0", bench("host_table", *DLRM, "--windows", "10", "--window-steps", "30",
                                                  "--cpu-windows", "16")),
               Step("bench_dlrm", 120, "0", et("bench", *DLRM, "--windows", "6", "--window-steps", "30",
@@ -250,10 +254,8 @@ SUITE_LIST: list[Suite] = [
     Suite("h3", "after the engine split: GPU tests, where a placement's host time goes, mlp's noise floor, a dlrm "
                 "study confirmed for quality",
           ("00.5 After the engine split",),
-          seq(Step("gputests", 200, "0", pytest("-q", "-m", "gpu", "tests/runtime", "tests/measure",
-                                                "tests/workloads/test_dlrm.py", "tests/test_reference_gpu.py",
-                                                "tests/tune/test_reference_gpu.py", "tests/test_noise.py",
-                                                "-p", "no:cacheprovider")),
+          seq(_gpu_tests(200, "tests/runtime", "tests/measure", "tests/workloads/test_dlrm.py",
+                         "tests/test_reference_gpu.py", "tests/tune/test_reference_gpu.py", "tests/test_noise.py"),
               Step("host_profile", 45, "0", bench("host_profile", *DLRM, "--steps", "100")),
               Step("ne_mlp", 60, "0", bench("ne_evidence", "--spaces", "mlp", "--skip-rank", "--time-limit", "50")),
               _study("tune_dlrm", 230, "0", "search_spaces/dlrm.yaml", "dlrm-q", "dlrm_q.db", "--trials", "6",
@@ -261,17 +263,15 @@ SUITE_LIST: list[Suite] = [
               _status("status_dlrm", 15, "0", "dlrm-q", "dlrm_q.db"))),
     Suite("h4", "the stream fast path: runtime GPU tests, the attribution, the host table again",
           ("00.6 The stream fast path",),
-          seq(Step("gputests", 110, "0", pytest("-q", "-m", "gpu", "tests/runtime", "tests/measure/test_hostcpu.py",
-                                                "-p", "no:cacheprovider")),
+          seq(_gpu_tests(110, "tests/runtime", "tests/measure/test_hostcpu.py"),
               Step("host_profile", 60, "0", bench(*_host_profile, "--rounds", "400")),
               Step("host_table", 120, "0", bench("host_table", *DLRM, "--windows", "4", "--window-steps", "30",
                                                  "--cpu-windows", "400", "--cpu-window-steps", "1")))),
     Suite("h5", "GPU tests, the per-cut-graph drift check, attribution of a placement and of a blocking cut (A/A pairs), "
                 "the host table with its by-hand rows",
           ("00.7 A lean join, measured and not shipped", "00.8 The lean join verified and shipped"),
-          seq(Step("gputests", 170, "0", pytest("-q", "-m", "gpu", "tests/runtime", "tests/measure",
-                                                "tests/workloads/test_dlrm.py", "tests/test_reference_gpu.py",
-                                                "tests/tune/test_reference_gpu.py", "-p", "no:cacheprovider")),
+          seq(_gpu_tests(170, "tests/runtime", "tests/measure", "tests/workloads/test_dlrm.py",
+                         "tests/test_reference_gpu.py", "tests/tune/test_reference_gpu.py"),
               Step("drift", 120, "0", bench("graph_drift")),
               Step("host_profile", 80, "0", bench(*_host_profile, "--rounds", "1000")),
               Step("host_profile_cut", 80, "0", bench(*_host_profile, "--rounds", "1000", "--cut", "bot_l",
@@ -281,8 +281,7 @@ SUITE_LIST: list[Suite] = [
     Suite("s1", "issue 27 on the reference DLRM: the protocol's GPU tests, a study with no seeds within "
                 "--time-budget 6m, its status and export",
           ("000.1 The reference DLRM, no seeds", "000.3 What issue 27's targets read"),
-          seq(Step("gputests", 70, "0", pytest("-q", "-m", "gpu", "tests/measure", "tests/test_reference_gpu.py",
-                                               "-p", "no:cacheprovider")),
+          seq(_gpu_tests(70, "tests/measure", "tests/test_reference_gpu.py"),
               _study("dlrm_study", 400, "0", "search_spaces/dlrm.yaml", "dlrm", "dlrm.db", "--time-budget", "6m"),
               _status("dlrm_status", 20, "0", "dlrm", "dlrm.db"),
               Step("dlrm_export", 40, "0", et("export", "--study", "dlrm", "--storage", "sqlite:///{work}/dlrm.db",
@@ -295,9 +294,8 @@ SUITE_LIST: list[Suite] = [
     Suite("s3", "CPU-only work owed on the GPU: dropout masks under graphs and side streams, bench skipping a row "
                 "that cannot be captured, check --space on CUDA",
           ("(owed checks, no figure yet: GPU tests of 2026-12-04)",),
-          seq(Step("gputests", 200, "0", pytest("-q", "-m", "gpu", "tests/measure", "tests/runtime",
-                                                "tests/test_reference_gpu.py", "tests/test_bench_rows.py",
-                                                "tests/tune/test_check_space.py", "-p", "no:cacheprovider")),
+          seq(_gpu_tests(200, "tests/measure", "tests/runtime", "tests/test_reference_gpu.py", "tests/test_bench_rows.py",
+                         "tests/tune/test_check_space.py"),
               Step("dlrm_check", 120, "0", et("check", "--space", "search_spaces/dlrm.yaml")),
               Step("deepfm_dropout_bench", 200, "0", et("bench", "--workload", "deepfm", "--arg", "dropout=0.2",
                                                         "--device", "cuda")))),

@@ -220,9 +220,7 @@ class Store(Results):
 
     @retried("reading the job")
     def get_job(self, study_name: str) -> Job | None:
-        with self._session() as s:
-            row = s.scalars(select(JobRow).where(JobRow.study_name == study_name)).one_or_none()
-            return None if row is None else _job(row)
+        return self._one_or_none(select(JobRow).where(JobRow.study_name == study_name), _job)
 
     @retried("listing the jobs")
     def list_jobs(self) -> list[Job]:

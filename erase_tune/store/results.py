@@ -11,9 +11,9 @@ plain inserts, retried only when they failed before their commit (``idempotent=F
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -46,6 +46,8 @@ from erase_tune.store.values import (
 
 __all__ = ["Results"]
 
+_V = TypeVar("_V")
+
 
 def _samples(samples: Mapping[str, Any]) -> dict[str, Any]:
     """Per-variant samples as plain JSON (numpy values included; NaN as None)."""
@@ -62,6 +64,25 @@ class Results:
 
     def _insert(self, table: type) -> Any:
         raise TypeError("Results is a part of Store")  # pragma: no cover - Store overrides it
+
+    def _added(self, row: Any, value: Callable[[Any], _V]) -> _V:
+        """Insert ``row`` (a record kept as a history) and return it as ``value`` makes it."""
+        with self._session() as s:
+            s.add(row)
+            s.flush()
+            return value(row)
+
+    def _one_or_none(self, stmt: Any, value: Callable[[Any], _V]) -> _V | None:
+        """The one row ``stmt`` selects as ``value`` makes it, or None when it selects none."""
+        with self._session() as s:
+            row = s.scalars(stmt).one_or_none()
+            return None if row is None else value(row)
+
+    def _job_rows(self, table: Any, job: Job, value: Callable[[Any], _V]) -> list[_V]:
+        """The job's rows of ``table``, oldest first (creation time, then id), as ``value`` makes them."""
+        stmt = select(table).where(table.job_id == job.id).order_by(table.created_at, table.id)
+        with self._session() as s:
+            return [value(r) for r in s.scalars(stmt)]
 
     # -- trial outcomes -------------------------------------------------------------------
 
@@ -93,9 +114,7 @@ class Results:
         """Trial ``trial_number``'s outcome, or None if it has none (still running, stale, a repeat)."""
         stmt = select(TrialOutcomeRow).where(TrialOutcomeRow.job_id == job.id,
                                              TrialOutcomeRow.trial_number == trial_number)
-        with self._session() as s:
-            row = s.scalars(stmt).one_or_none()
-            return None if row is None else _outcome(row)
+        return self._one_or_none(stmt, _outcome)
 
     @retried("reading the job's outcomes")
     def latest_provenance(self, job: Job) -> dict[str, Any] | None:
@@ -103,9 +122,7 @@ class Results:
         stmt = (select(TrialOutcomeRow.provenance)
                 .where(TrialOutcomeRow.job_id == job.id, TrialOutcomeRow.status == "complete")
                 .order_by(TrialOutcomeRow.created_at.desc(), TrialOutcomeRow.id.desc()).limit(1))
-        with self._session() as s:
-            found = s.scalars(stmt).one_or_none()
-            return None if found is None else dict(found)
+        return self._one_or_none(stmt, dict)
 
     # -- confirmations -------------------------------------------------------------------
 
@@ -117,18 +134,12 @@ class Results:
                               windows=r.windows, gain=r.gain, gain_lo=r.gain_lo, gain_hi=r.gain_hi,
                               samples=_samples(r.samples), provenance=json_safe(dict(r.provenance), where="provenance"),
                               created_at=utc_now())
-        with self._session() as s:
-            s.add(row)
-            s.flush()
-            return _confirmation(row)
+        return self._added(row, _confirmation)
 
     @retried("reading the confirmations")
     def confirmations(self, job: Job) -> list[Confirmation]:
         """The job's confirmations, oldest first."""
-        stmt = (select(ConfirmationRow).where(ConfirmationRow.job_id == job.id)
-                .order_by(ConfirmationRow.created_at, ConfirmationRow.id))
-        with self._session() as s:
-            return [_confirmation(r) for r in s.scalars(stmt)]
+        return self._job_rows(ConfirmationRow, job, _confirmation)
 
     # -- noise floor and quality ----------------------------------------------------------
 
@@ -140,19 +151,14 @@ class Results:
                             gaps=json_safe({"gaps": list(floor["gaps"]), "kinds": list(floor["kinds"])}, where="gaps"),
                             provenance=json_safe(dict(floor.get("provenance") or {}), where="provenance"),
                             created_at=utc_now())
-        with self._session() as s:
-            s.add(row)
-            s.flush()
-            return _noise_floor(row)
+        return self._added(row, _noise_floor)
 
     @retried("reading the noise floor")
     def noise_floor(self, job: Job) -> StoredNoiseFloor | None:
         """The job's latest noise floor, if measured."""
         stmt = (select(NoiseFloorRow).where(NoiseFloorRow.job_id == job.id)
                 .order_by(NoiseFloorRow.created_at.desc(), NoiseFloorRow.id.desc()).limit(1))
-        with self._session() as s:
-            row = s.scalars(stmt).one_or_none()
-            return None if row is None else _noise_floor(row)
+        return self._one_or_none(stmt, _noise_floor)
 
     @retried("recording a quality confirmation", idempotent=False)
     def record_quality(self, job: Job, trial_number: int, record: QualityRecord) -> QualityConfirmation:
@@ -164,27 +170,19 @@ class Results:
             detail=json_safe({"per_seed": list(r.per_seed), "exact": bool(r.exact), "band": float(r.band)},
                              where="detail"),
             provenance=json_safe(dict(r.provenance), where="provenance"), created_at=utc_now())
-        with self._session() as s:
-            s.add(row)
-            s.flush()
-            return _quality(row)
+        return self._added(row, _quality)
 
     @retried("reading the quality confirmations")
     def quality_confirmations(self, job: Job) -> list[QualityConfirmation]:
         """The job's quality confirmations, oldest first."""
-        stmt = (select(QualityConfirmationRow).where(QualityConfirmationRow.job_id == job.id)
-                .order_by(QualityConfirmationRow.created_at, QualityConfirmationRow.id))
-        with self._session() as s:
-            return [_quality(r) for r in s.scalars(stmt)]
+        return self._job_rows(QualityConfirmationRow, job, _quality)
 
     # -- baseline cache ------------------------------------------------------------------
 
     @retried("reading the baseline cache")
     def get_baseline(self, key: str) -> BaselineEntry | None:
         """The cached baseline for ``key`` (see :func:`~erase_tune.store.baseline_key`)."""
-        with self._session() as s:
-            row = s.scalars(select(BaselineRow).where(BaselineRow.key == key)).one_or_none()
-            return None if row is None else _baseline(row)
+        return self._one_or_none(select(BaselineRow).where(BaselineRow.key == key), _baseline)
 
     @retried("writing the baseline cache")
     def put_baseline(
@@ -210,17 +208,12 @@ class Results:
         """Remember that trial ``trial_number``'s plan was written to ``path``."""
         row = ExportRow(job_id=job.id, optuna_trial_number=trial_number, path=str(path),
                         plan_yaml=plan_yaml, created_at=utc_now())
-        with self._session() as s:
-            s.add(row)
-            s.flush()
-            return _export(row)
+        return self._added(row, _export)
 
     @retried("reading the exports")
     def exports(self, job: Job) -> list[Export]:
         """The job's exports, oldest first."""
-        stmt = select(ExportRow).where(ExportRow.job_id == job.id).order_by(ExportRow.created_at, ExportRow.id)
-        with self._session() as s:
-            return [_export(r) for r in s.scalars(stmt)]
+        return self._job_rows(ExportRow, job, _export)
 
 
 # -- rows to values (only ever called inside a session) ----------------------------------

@@ -12,6 +12,7 @@ loss divided by the cross-entropy of a constant predictor at the training label 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -19,7 +20,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Batch", "WorkloadData", "Workload", "Task", "TaskLossError", "prior_entropy"]
+from erase_tune.workloads.limits import Need, check_memory
+
+__all__ = ["Batch", "WorkloadData", "Workload", "Task", "TaskLossError", "builtin_workload", "prior_entropy"]
 
 Batch = tuple[tuple[Tensor, ...], Tensor]
 """One batch: the model's positional inputs and the target the loss compares against."""
@@ -299,6 +302,20 @@ class Workload:
         """Cross-entropy (nats) of predicting ``task``'s training label prior (its own column)."""
         labels = torch.cat([task.labels(target).flatten() for _, target in data.train])
         return prior_entropy(labels)
+
+
+def builtin_workload(name: str, args: dict[str, Any], needs: Callable[[dict[str, Any]], Iterable[Need]], *,
+                     build_model: Callable[..., nn.Module], make_data: Callable[..., WorkloadData],
+                     make_example: Callable[..., Batch], **fields: Any) -> Workload:
+    """A built-in's :class:`Workload` from its checked arguments ``args``, once the memory they need
+    (``needs(args)``) is found to fit (:func:`~erase_tune.workloads.limits.check_memory`): the
+    arguments recorded (a copy), ``build_model``, ``make_data`` and ``make_example`` bound to them
+    (keyword ``args``), the batch size ``args["batch"]``; ``fields`` are the rest (loss, cut
+    candidates, optimizer, ...)."""
+    check_memory(name, needs(args))
+    return Workload(name=name, args=dict(args), build_model=functools.partial(build_model, args=args),
+                    make_data=functools.partial(make_data, args=args), batch_size=args["batch"],
+                    make_example=functools.partial(make_example, args=args), **fields)
 
 
 def split_pools(batches: Callable[..., list[Batch]], tensors: Sequence[Tensor], train: slice, held: slice,

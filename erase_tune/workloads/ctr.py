@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,23 +27,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from erase_tune.workloads import fused_if_cuda
-from erase_tune.workloads.base import Batch, Workload, WorkloadData, split_pools
+from erase_tune.workloads.base import Batch, Workload, WorkloadData, builtin_workload, split_pools
 from erase_tune.workloads.criteo import NUM_DENSE, check_criteo_data, load_criteo_batch, load_criteo_split
-from erase_tune.workloads.limits import (
-    CRITEO_BYTES_PER_LINE,
-    CRITEO_MIN_LINE_BYTES,
-    MAX_SEED,
-    SYNTHETIC_BYTES_PER_EXAMPLE,
-    SYNTHETIC_BYTES_PER_ID,
-    SYNTHETIC_BYTES_PER_ROW,
-    SYNTHETIC_BYTES_PER_TABLE,
-    SYNTHETIC_BYTES_PER_TABLE_ROW,
-    TRAINING_BYTES_PER_PARAMETER,
-    Need,
-    check_arg,
-    check_int,
-    check_memory,
-)
+from erase_tune.workloads.limits import TRAINING_BYTES_PER_PARAMETER, Need, check_arg, check_ints, click_pool_needs
 
 __all__ = [
     "SparseArch",
@@ -442,22 +427,12 @@ def _criteo_example(device: torch.device, *, args: dict[str, Any]) -> Batch:
     return (dense.to(device), sparse.to(device)), labels.to(device)
 
 
-# Bounds on the integer arguments: far above any real run, low enough that no argument can
-# make the factory hang.
-_BOUNDS = {
-    "batch": (1, 2**20),
-    "width": (1, 2**16),
-    "depth": (1, 64),
-    "emb_dim": (1, 2**14),
-    "num_tables": (1, 1024),
-    "rows": (1, 2**40),
-    "bag": (1, 1024),
-    "sub_out": (1, 2**16),
-    "train_batches": (1, 2**20),
-    "eval_batches": (1, 2**20),
-    "seed": (0, MAX_SEED),
-}
-
+_INTS = ("batch", "width", "depth", "emb_dim", "num_tables", "rows", "bag", "sub_out", "train_batches",
+         "eval_batches", "seed")
+"""The integer arguments, checked in this order (bounds: ``limits.INT_BOUNDS`` and :data:`_BOUNDS`)."""
+_BOUNDS = {"depth": (1, 64), "bag": (1, 1024), "sub_out": (1, 2**16)}
+"""Bounds on this workload's own integer arguments: far above any real run, low enough that no
+argument can make the factory hang."""
 
 
 def _parameter_count(args: dict[str, Any]) -> tuple[int, int]:
@@ -487,9 +462,7 @@ def _needs(args: dict[str, Any]) -> list[Need]:
     """What the model (trained with Adam) and the data pools need, from the arguments alone."""
     tables, dense = _parameter_count(args)
     t, rows, e = args["num_tables"], args["rows"], args["emb_dim"]
-    examples = (args["train_batches"] + args["eval_batches"]) * args["batch"]
-    pools = f"batch={args['batch']} x (train_batches={args['train_batches']} + eval_batches={args['eval_batches']})"
-    needs = [
+    return [
         Need(
             "the embedding tables", tables * TRAINING_BYTES_PER_PARAMETER, f"num_tables={t} x rows={rows} x emb_dim={e}"
         ),
@@ -498,23 +471,8 @@ def _needs(args: dict[str, Any]) -> list[Need]:
             dense * TRAINING_BYTES_PER_PARAMETER,
             f"width={args['width']}, depth={args['depth']}, num_tables={t}, emb_dim={e}, sub_out={args['sub_out']}",
         ),
+        *click_pool_needs(args, bag=args["bag"]),
     ]
-    if args["data"] == "synthetic":
-        per_example = (
-            SYNTHETIC_BYTES_PER_EXAMPLE + SYNTHETIC_BYTES_PER_TABLE * t + SYNTHETIC_BYTES_PER_ID * t * args["bag"]
-        )
-        needs.append(Need("the train/eval pools", examples * per_example, pools))
-        needs.append(
-            Need(
-                "the synthetic ids' popularity order",
-                rows * (SYNTHETIC_BYTES_PER_TABLE_ROW * t + SYNTHETIC_BYTES_PER_ROW),
-                f"num_tables={t} x rows={rows}",
-            )
-        )
-    else:
-        lines = min(examples, os.path.getsize(args["data"]) // CRITEO_MIN_LINE_BYTES + 1)
-        needs.append(Need("the train/eval pools", lines * CRITEO_BYTES_PER_LINE, pools))
-    return needs
 
 
 
@@ -549,31 +507,19 @@ def workload(
     """
     data = os.fspath(data)  # provenance records a plain string
     args = dict(locals())
-    for name, (low, high) in _BOUNDS.items():
-        check_int("ctr", name, args[name], low, high)
+    check_ints("ctr", args, _INTS, _BOUNDS)
     check_arg("ctr", "base_rate", base_rate, 0.0 < base_rate < 1.0, "a number strictly between 0 and 1")
     check_arg("ctr", "lr", lr, lr > 0 and math.isfinite(lr), "a finite number > 0")
     if data == "synthetic":
-        make_data: Callable[[torch.device], WorkloadData] = functools.partial(_synthetic_data, args=args)
-        make_example: Callable[[torch.device], Batch] = functools.partial(_synthetic_example, args=args)
+        make_data, make_example = _synthetic_data, _synthetic_example
     else:
         check_criteo_data("ctr", data, num_tables)
         check_arg("ctr", "bag", bag, bag == 1, "1 with Criteo data")
-        make_data = functools.partial(_criteo_data, args=args)
-        make_example = functools.partial(_criteo_example, args=args)
-    check_memory("ctr", _needs(args))
-    return Workload(
-        name="ctr",
-        args=dict(args),
-        build_model=functools.partial(_build_model, args=args),
-        loss_fn=F.binary_cross_entropy_with_logits,
-        make_data=make_data,
-        cut_candidates=tuple(f"subarchs.{i}" for i in range(6)),
-        batch_size=batch,
-        optimizer=functools.partial(fused_if_cuda, torch.optim.Adam, lr=lr),
-        make_head=_make_head,
-        make_example=make_example,
-    )
+        make_data, make_example = _criteo_data, _criteo_example
+    return builtin_workload("ctr", args, _needs, build_model=_build_model, make_data=make_data,
+                            make_example=make_example, loss_fn=F.binary_cross_entropy_with_logits,
+                            make_head=_make_head, cut_candidates=tuple(f"subarchs.{i}" for i in range(6)),
+                            optimizer=functools.partial(fused_if_cuda, torch.optim.Adam, lr=lr))
 
 
 class _LogitHead(nn.Module):

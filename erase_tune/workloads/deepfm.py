@@ -59,17 +59,15 @@ from torch import Tensor, nn
 
 from erase_tune.errors import WorkloadError, shown
 from erase_tune.workloads import fused_if_cuda
-from erase_tune.workloads.base import Batch, Workload, WorkloadData, split_pools
+from erase_tune.workloads.base import Batch, Workload, WorkloadData, builtin_workload, split_pools
 from erase_tune.workloads.ctr import _bias_for_rate, _binary_entropy, _standardize  # the same teacher arithmetic
 from erase_tune.workloads.limits import (
-    MAX_SEED,
-    SYNTHETIC_BYTES_PER_ROW,
-    SYNTHETIC_BYTES_PER_TABLE_ROW,
     TRAINING_BYTES_PER_PARAMETER,
     Need,
     check_arg,
-    check_int,
-    check_memory,
+    check_ints,
+    pool_need,
+    popularity_need,
 )
 
 __all__ = [
@@ -361,31 +359,22 @@ _POOL_BYTES_PER_FIELD = 70
 def _needs(args: dict[str, Any]) -> list[Need]:
     """What the model (trained with Adam) and the data pools need, from the arguments alone."""
     embedding, linear, mlp = _parameter_count(args)
-    f, rows, e, batch = args["num_fields"], args["rows"], args["emb_dim"], args["batch"]
-    examples = (args["train_batches"] + args["eval_batches"]) * batch
+    f, rows, e = args["num_fields"], args["rows"], args["emb_dim"]
     return [
         Need("the shared embedding", embedding * TRAINING_BYTES_PER_PARAMETER,
              f"num_fields={f} x rows={rows} x emb_dim={e}"),
         Need("the linear term's table", linear * TRAINING_BYTES_PER_PARAMETER, f"num_fields={f} x rows={rows}"),
         Need("the MLP", mlp * TRAINING_BYTES_PER_PARAMETER, f"mlp={args['mlp']!r}, num_fields={f}, emb_dim={e}"),
-        Need("the train/eval pools", examples * (_POOL_BYTES_PER_EXAMPLE + _POOL_BYTES_PER_FIELD * f),
-             f"batch={batch} x (train_batches={args['train_batches']} + eval_batches={args['eval_batches']})"),
-        Need("the synthetic ids' popularity order",
-             rows * (SYNTHETIC_BYTES_PER_TABLE_ROW * f + SYNTHETIC_BYTES_PER_ROW), f"num_fields={f} x rows={rows}"),
+        pool_need(args, _POOL_BYTES_PER_EXAMPLE + _POOL_BYTES_PER_FIELD * f),
+        popularity_need(f, rows, f"num_fields={f} x rows={rows}"),
     ]  # fmt: skip
 
 
-# Bounds on the integer arguments: far above any real run, low enough that no argument can
-# make the factory hang. batch >= 2: BatchNorm1d cannot normalise one example in training.
-_BOUNDS = {
-    "batch": (2, 2**20),
-    "num_fields": (1, 1024),
-    "rows": (1, 2**40),
-    "emb_dim": (1, 2**14),
-    "train_batches": (1, 2**20),
-    "eval_batches": (1, 2**20),
-    "seed": (0, MAX_SEED),
-}
+_INTS = ("batch", "num_fields", "rows", "emb_dim", "train_batches", "eval_batches", "seed")
+"""The integer arguments, checked in this order (bounds: ``limits.INT_BOUNDS`` and :data:`_BOUNDS`)."""
+_BOUNDS = {"batch": (2, 2**20), "num_fields": (1, 1024)}
+"""Bounds of this workload's own: far above any real run, low enough that no argument can make
+the factory hang; batch >= 2, as BatchNorm1d cannot normalise one example in training."""
 
 
 # wide: the workload's user-facing arguments (--arg key=value)
@@ -416,20 +405,11 @@ def workload(
     examples again (see ``ctr``).
     """
     args = dict(locals())
-    for name, (low, high) in _BOUNDS.items():
-        check_int("deepfm", name, args[name], low, high)
+    check_ints("deepfm", args, _INTS, _BOUNDS)
     parse_hidden(mlp)
     check_arg("deepfm", "dropout", dropout, 0.0 <= dropout < 1.0, "a number in [0, 1)")
     check_arg("deepfm", "lr", lr, lr > 0 and math.isfinite(lr), "a finite number > 0")
-    check_memory("deepfm", _needs(args))
-    return Workload(
-        name="deepfm",
-        args=dict(args),
-        build_model=functools.partial(_build_model, args=args),
-        loss_fn=F.binary_cross_entropy_with_logits,
-        make_data=functools.partial(_make_data, args=args),
-        cut_candidates=CANDIDATES,
-        batch_size=batch,
-        optimizer=functools.partial(fused_if_cuda, torch.optim.Adam, lr=lr),
-        make_example=functools.partial(_make_example, args=args),
-    )
+    return builtin_workload("deepfm", args, _needs, build_model=_build_model, make_data=_make_data,
+                            make_example=_make_example, loss_fn=F.binary_cross_entropy_with_logits,
+                            cut_candidates=CANDIDATES,
+                            optimizer=functools.partial(fused_if_cuda, torch.optim.Adam, lr=lr))

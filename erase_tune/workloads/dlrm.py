@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,23 +31,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from erase_tune.errors import WorkloadError, shown
-from erase_tune.workloads.base import Batch, Workload, WorkloadData, split_pools
+from erase_tune.workloads.base import Batch, Workload, WorkloadData, builtin_workload, split_pools
 from erase_tune.workloads.criteo import NUM_DENSE, check_criteo_data, load_criteo_batch, load_criteo_split
 from erase_tune.workloads.ctr import synthetic_ctr
-from erase_tune.workloads.limits import (
-    CRITEO_BYTES_PER_LINE,
-    CRITEO_MIN_LINE_BYTES,
-    MAX_SEED,
-    SYNTHETIC_BYTES_PER_EXAMPLE,
-    SYNTHETIC_BYTES_PER_ID,
-    SYNTHETIC_BYTES_PER_ROW,
-    SYNTHETIC_BYTES_PER_TABLE,
-    SYNTHETIC_BYTES_PER_TABLE_ROW,
-    Need,
-    check_arg,
-    check_int,
-    check_memory,
-)
+from erase_tune.workloads.limits import Need, check_arg, check_ints, click_pool_needs
 
 __all__ = ["DLRM_Net", "parse_mlp", "workload"]
 
@@ -222,26 +208,15 @@ def _needs(args: dict[str, Any]) -> list[Need]:
     """What the model (trained with plain SGD) and the data pools need, from the arguments alone."""
     tables, dense = _parameter_count(args)
     t, rows, e, batch = args["num_tables"], args["rows"], args["emb_dim"], args["batch"]
-    examples = (args["train_batches"] + args["eval_batches"]) * batch
-    pools = f"batch={batch} x (train_batches={args['train_batches']} + eval_batches={args['eval_batches']})"
-    needs = [
+    return [
         Need("the embedding tables", tables * _TABLE_BYTES_PER_PARAMETER,
              f"num_tables={t} x rows={rows} x emb_dim={e}"),
         Need("the sparse gradients", _SPARSE_GRAD_COPIES * batch * t * (4 * e + 8),
              f"batch={batch} x num_tables={t} x emb_dim={e}"),
         Need("the MLPs", dense * _DENSE_BYTES_PER_PARAMETER,
              f"bot_mlp={args['bot_mlp']!r}, top_mlp={args['top_mlp']!r}, num_tables={t}, emb_dim={e}"),
+        *click_pool_needs(args, bag=1),  # one id per table and example
     ]  # fmt: skip
-    if args["data"] == "synthetic":
-        per_example = SYNTHETIC_BYTES_PER_EXAMPLE + (SYNTHETIC_BYTES_PER_TABLE + SYNTHETIC_BYTES_PER_ID) * t
-        needs.append(Need("the train/eval pools", examples * per_example, pools))
-        needs.append(Need("the synthetic ids' popularity order",
-                          rows * (SYNTHETIC_BYTES_PER_TABLE_ROW * t + SYNTHETIC_BYTES_PER_ROW),
-                          f"num_tables={t} x rows={rows}"))  # fmt: skip
-    else:
-        lines = min(examples, os.path.getsize(args["data"]) // CRITEO_MIN_LINE_BYTES + 1)
-        needs.append(Need("the train/eval pools", lines * CRITEO_BYTES_PER_LINE, pools))
-    return needs
 
 
 def cut_candidates(bot: list[int], top: list[int]) -> tuple[str, ...]:
@@ -257,17 +232,8 @@ def cut_candidates(bot: list[int], top: list[int]) -> tuple[str, ...]:
     return tuple(out)
 
 
-# Bounds on the integer arguments: far above any real run, low enough that no argument can
-# make the factory hang.
-_BOUNDS = {
-    "batch": (1, 2**20),
-    "rows": (1, 2**40),
-    "emb_dim": (1, 2**14),
-    "num_tables": (1, 1024),
-    "train_batches": (1, 2**20),
-    "eval_batches": (1, 2**20),
-    "seed": (0, MAX_SEED),
-}
+_INTS = ("batch", "rows", "emb_dim", "num_tables", "train_batches", "eval_batches", "seed")
+"""The integer arguments, checked in this order (bounds: ``limits.INT_BOUNDS``)."""
 
 
 
@@ -299,30 +265,19 @@ def workload(
     """
     data = os.fspath(data)  # provenance records a plain string
     args = dict(locals())
-    for name, (low, high) in _BOUNDS.items():
-        check_int("dlrm", name, args[name], low, high)
+    check_ints("dlrm", args, _INTS)
     bot, top = parse_mlp(bot_mlp, "bot_mlp"), parse_mlp(top_mlp, "top_mlp")
     check_arg("dlrm", "bot_mlp", bot_mlp, bot[-1] == emb_dim,
               f"layer sizes ending in emb_dim={emb_dim} (the reference's rule)")
     check_arg("dlrm", "top_mlp", top_mlp, top[-1] == 1, "layer sizes ending in 1 (one click probability)")
     check_arg("dlrm", "lr", lr, lr > 0 and math.isfinite(lr), "a finite number > 0")
     if data == "synthetic":
-        make_data: Callable[[torch.device], WorkloadData] = functools.partial(_synthetic_data, args=args)
-        make_example: Callable[[torch.device], Batch] = functools.partial(_synthetic_example, args=args)
+        make_data, make_example = _synthetic_data, _synthetic_example
     else:
         check_criteo_data("dlrm", data, num_tables)
-        make_data = functools.partial(_criteo_data, args=args)
-        make_example = functools.partial(_criteo_example, args=args)
-    check_memory("dlrm", _needs(args))
-    return Workload(
-        name="dlrm",
-        args=dict(args),
-        build_model=functools.partial(_build_model, args=args),
-        loss_fn=F.binary_cross_entropy,  # BCELoss, mean over the batch
-        make_data=make_data,
-        cut_candidates=cut_candidates(bot, top),
-        batch_size=batch,
-        # Plain SGD, as the reference: it takes the tables' sparse gradients as they are.
-        optimizer=functools.partial(torch.optim.SGD, lr=lr),
-        make_example=make_example,
-    )
+        make_data, make_example = _criteo_data, _criteo_example
+    # BCELoss, mean over the batch; plain SGD, as the reference: it takes the tables' sparse gradients as they are.
+    return builtin_workload("dlrm", args, _needs, build_model=_build_model, make_data=make_data,
+                            make_example=make_example, loss_fn=F.binary_cross_entropy,
+                            cut_candidates=cut_candidates(bot, top),
+                            optimizer=functools.partial(torch.optim.SGD, lr=lr))

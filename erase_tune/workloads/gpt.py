@@ -40,14 +40,8 @@ from torch import Tensor, nn
 
 from erase_tune.errors import WorkloadError, shown
 from erase_tune.workloads import fused_if_cuda
-from erase_tune.workloads.base import Batch, Workload, WorkloadData, prior_entropy
-from erase_tune.workloads.limits import (
-    MAX_SEED,
-    TRAINING_BYTES_PER_PARAMETER,
-    Need,
-    check_int,
-    check_memory,
-)
+from erase_tune.workloads.base import Batch, Workload, WorkloadData, builtin_workload, prior_entropy
+from erase_tune.workloads.limits import TRAINING_BYTES_PER_PARAMETER, Need, check_arg, check_ints
 
 __all__ = [
     "VOCAB_SIZE",
@@ -262,18 +256,11 @@ def _example(device: torch.device, *, args: dict[str, Any]) -> Batch:
     return _make_data(device, args={**args, "train_batches": 1, "eval_batches": 1}).batch(0)
 
 
-# Bounds on the integer arguments: far above any real run, low enough that no argument can
-# make the factory hang.
-_BOUNDS = {
-    "batch": (1, 2**20),
-    "seq_len": (1, 2**17),
-    "n_layer": (1, 256),
-    "n_head": (1, 2**12),
-    "n_embd": (1, 2**16),
-    "train_batches": (1, 2**20),
-    "eval_batches": (1, 2**20),
-    "seed": (0, MAX_SEED),
-}
+_INTS = ("batch", "seq_len", "n_layer", "n_head", "n_embd", "train_batches", "eval_batches", "seed")
+"""The integer arguments, checked in this order (bounds: ``limits.INT_BOUNDS`` and :data:`_BOUNDS`)."""
+_BOUNDS = {"seq_len": (1, 2**17), "n_layer": (1, 256), "n_head": (1, 2**12), "n_embd": (1, 2**16)}
+"""Bounds on this workload's own integer arguments: far above any real run, low enough that no
+argument can make the factory hang."""
 
 _BYTES_PER_TOKEN = 32
 """Peak host memory per byte of the pools while building them: the windows (int64), their
@@ -346,23 +333,12 @@ def workload(
     n_layer=12, n_head=6, n_embd=768``. ``dtype``: ``float32``, or ``bfloat16`` compute
     (autocast; parameters and logits stay float32)."""
     args = dict(locals())
-    for name, (low, high) in _BOUNDS.items():
-        check_int("gpt", name, args[name], low, high)
+    check_ints("gpt", args, _INTS, _BOUNDS)
     if dtype not in ("float32", "bfloat16"):
         raise WorkloadError(f"workload 'gpt': argument 'dtype' must be 'float32' or 'bfloat16', got {shown(dtype)}")
     if n_embd % n_head:
         raise WorkloadError(f"workload 'gpt': argument 'n_embd' ({n_embd}) must be a multiple of 'n_head' ({n_head})")
-    if not (lr > 0 and math.isfinite(lr)):
-        raise WorkloadError(f"workload 'gpt': argument 'lr' must be a finite number > 0, got {shown(lr)}")
-    check_memory("gpt", _needs(args))
-    return Workload(
-        name="gpt",
-        args=dict(args),
-        build_model=functools.partial(_build_model, args=args),
-        loss_fn=lm_loss,
-        make_data=functools.partial(_make_data, args=args),
-        cut_candidates=cut_candidates(n_layer),
-        batch_size=batch,
-        optimizer=functools.partial(fused_if_cuda, torch.optim.AdamW, lr=lr),
-        make_example=functools.partial(_example, args=args),
-    )
+    check_arg("gpt", "lr", lr, lr > 0 and math.isfinite(lr), "a finite number > 0")
+    return builtin_workload("gpt", args, _needs, build_model=_build_model, make_data=_make_data,
+                            make_example=_example, loss_fn=lm_loss, cut_candidates=cut_candidates(n_layer),
+                            optimizer=functools.partial(fused_if_cuda, torch.optim.AdamW, lr=lr))

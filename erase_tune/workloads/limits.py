@@ -24,12 +24,13 @@ from __future__ import annotations
 import dataclasses
 import os
 from typing import Any
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from erase_tune.errors import WorkloadError, shown
 
 __all__ = [
     "MAX_SEED",
+    "INT_BOUNDS",
     "SYNTHETIC_BYTES_PER_EXAMPLE",
     "SYNTHETIC_BYTES_PER_TABLE",
     "SYNTHETIC_BYTES_PER_ID",
@@ -41,7 +42,11 @@ __all__ = [
     "Need",
     "check_arg",
     "check_int",
+    "check_ints",
     "check_memory",
+    "pool_need",
+    "popularity_need",
+    "click_pool_needs",
     "format_bytes",
     "host_memory_bytes",
 ]
@@ -62,6 +67,30 @@ def check_int(workload: str, name: str, value: int, low: int, high: int) -> None
         raise WorkloadError(f"workload {workload!r}: argument {name!r} must be an integer >= {low}, got {got}")
     if value > high:
         raise WorkloadError(f"workload {workload!r}: argument {name!r} must be an integer <= {high}, got {got}")
+
+
+INT_BOUNDS = {
+    "batch": (1, 2**20),
+    "rows": (1, 2**40),
+    "emb_dim": (1, 2**14),
+    "num_tables": (1, 1024),
+    "width": (1, 2**16),
+    "train_batches": (1, 2**20),
+    "eval_batches": (1, 2**20),
+    "seed": (0, MAX_SEED),
+}
+"""Bounds on the integer arguments the built-ins share, by name: far above any real run, low
+enough that no argument can make a factory hang. A workload's own are given to :func:`check_ints`."""
+
+
+def check_ints(workload: str, args: Mapping[str, Any], names: Iterable[str],
+               own: Mapping[str, tuple[int, int]] | None = None) -> None:
+    """:func:`check_int` for each of ``names`` in turn, within its bounds in ``own`` where it is
+    there (the workload's own arguments, or its own bound on a shared one), else in :data:`INT_BOUNDS`."""
+    own = own or {}
+    for name in names:
+        low, high = own[name] if name in own else INT_BOUNDS[name]
+        check_int(workload, name, args[name], low, high)
 
 
 def check_arg(workload: str, name: str, value: Any, ok: bool, need: str) -> None:
@@ -126,6 +155,34 @@ def check_memory(workload: str, needs: Iterable[Need]) -> None:
         f"workload {workload!r}: {largest.cause} needs about {format_bytes(largest.nbytes)} for {largest.what}"
         f"{in_all}, more than this machine's {format_bytes(cap)} of memory"
     )
+
+
+def pool_need(args: Mapping[str, Any], bytes_per_example: int, at_most: int | None = None) -> Need:
+    """The train and eval pools: ``(train_batches + eval_batches) * batch`` examples (or
+    ``at_most``, where fewer) of ``bytes_per_example`` each at the peak of building them."""
+    examples = (args["train_batches"] + args["eval_batches"]) * args["batch"]
+    if at_most is not None:
+        examples = min(examples, at_most)
+    return Need("the train/eval pools", examples * bytes_per_example,
+                f"batch={args['batch']} x (train_batches={args['train_batches']} + eval_batches={args['eval_batches']})")
+
+
+def popularity_need(tables: int, rows: int, cause: str) -> Need:
+    """The synthetic ids' popularity order: a shuffled order of ``rows`` ids per table (or field)."""
+    return Need("the synthetic ids' popularity order",
+                rows * (SYNTHETIC_BYTES_PER_TABLE_ROW * tables + SYNTHETIC_BYTES_PER_ROW), cause)
+
+
+def click_pool_needs(args: Mapping[str, Any], bag: int) -> list[Need]:
+    """The pools of a click workload of ``num_tables`` tables (ctr, dlrm): drawn from the planted
+    teacher (``data: synthetic``, ``bag`` ids per table and example), with its ids' popularity
+    order; or read from the Criteo file ``data`` (at most as many lines as the file can hold)."""
+    t, rows = args["num_tables"], args["rows"]
+    if args["data"] == "synthetic":
+        per_example = SYNTHETIC_BYTES_PER_EXAMPLE + SYNTHETIC_BYTES_PER_TABLE * t + SYNTHETIC_BYTES_PER_ID * t * bag
+        return [pool_need(args, per_example), popularity_need(t, rows, f"num_tables={t} x rows={rows}")]
+    lines = os.path.getsize(args["data"]) // CRITEO_MIN_LINE_BYTES + 1
+    return [pool_need(args, CRITEO_BYTES_PER_LINE, at_most=lines)]
 
 
 # Building the synthetic pool holds the teacher's intermediates for every example at once.

@@ -28,14 +28,8 @@ from torch import Tensor, nn
 
 from erase_tune.errors import WorkloadError, shown
 from erase_tune.workloads import fused_if_cuda
-from erase_tune.workloads.base import Batch, Workload, WorkloadData, prior_entropy
-from erase_tune.workloads.limits import (
-    MAX_SEED,
-    TRAINING_BYTES_PER_PARAMETER,
-    Need,
-    check_int,
-    check_memory,
-)
+from erase_tune.workloads.base import Batch, Workload, WorkloadData, builtin_workload, prior_entropy
+from erase_tune.workloads.limits import TRAINING_BYTES_PER_PARAMETER, Need, check_arg, check_ints, pool_need
 
 __all__ = [
     "NUM_FEATURES",
@@ -218,16 +212,11 @@ def fan_in_adam(params: Iterable[nn.Parameter], *, lr: float) -> torch.optim.Opt
     return fused_if_cuda(torch.optim.Adam, [{"params": ps, "lr": group_lr} for group_lr, ps in groups.items()], lr=lr)
 
 
-# Bounds on the integer arguments: far above any real run, low enough that no argument can
-# make the factory hang.
-_BOUNDS = {
-    "batch": (1, 2**20),
-    "width": (1, 2**16),
-    "depth": (1, 1024),
-    "train_batches": (1, 2**20),
-    "eval_batches": (1, 2**20),
-    "seed": (0, MAX_SEED),
-}
+_INTS = ("batch", "width", "depth", "train_batches", "eval_batches", "seed")
+"""The integer arguments, checked in this order (bounds: ``limits.INT_BOUNDS`` and :data:`_BOUNDS`)."""
+_BOUNDS = {"depth": (1, 1024)}
+"""Bounds on this workload's own integer arguments: far above any real run, low enough that no
+argument can make the factory hang."""
 
 _BYTES_PER_EXAMPLE = 800
 """Peak host memory per pooled example while building the pools (64 float32 features and
@@ -245,14 +234,9 @@ def _parameter_count(args: dict[str, Any]) -> int:
 def _needs(args: dict[str, Any]) -> list[Need]:
     """What the model (trained with Adam) and the data pools need, from the arguments alone."""
     params = _parameter_count(args)
-    examples = (args["train_batches"] + args["eval_batches"]) * args["batch"]
     return [
         Need("the model", params * TRAINING_BYTES_PER_PARAMETER, f"depth={args['depth']}, width={args['width']}"),
-        Need(
-            "the train/eval pools",
-            examples * _BYTES_PER_EXAMPLE,
-            f"batch={args['batch']} x (train_batches={args['train_batches']} + eval_batches={args['eval_batches']})",
-        ),
+        pool_need(args, _BYTES_PER_EXAMPLE),
     ]
 
 
@@ -299,10 +283,8 @@ def workload(
     1e-3) and 1.006 (width 1024, lr 3e-4).
     """
     args = dict(locals())
-    for name, (low, high) in _BOUNDS.items():
-        check_int("mlp", name, args[name], low, high)
-    if not (lr > 0 and math.isfinite(lr)):
-        raise WorkloadError(f"workload 'mlp': argument 'lr' must be a finite number > 0, got {shown(lr)}")
+    check_ints("mlp", args, _INTS, _BOUNDS)
+    check_arg("mlp", "lr", lr, lr > 0 and math.isfinite(lr), "a finite number > 0")
     if dataset not in DATASETS:
         raise WorkloadError(
             f"workload 'mlp': argument 'dataset' must be one of {', '.join(DATASETS)}, got {shown(dataset)}"
@@ -311,15 +293,6 @@ def workload(
         raise WorkloadError(
             "workload 'mlp': dataset 'digits' needs scikit-learn, which is not installed (use dataset='synthetic')"
         )
-    check_memory("mlp", _needs(args))
-    return Workload(
-        name="mlp",
-        args=dict(args),
-        build_model=functools.partial(_build_model, args=args),
-        loss_fn=F.cross_entropy,
-        make_data=functools.partial(_make_data, args=args),
-        cut_candidates=cut_candidates(depth),
-        batch_size=batch,
-        optimizer=functools.partial(fan_in_adam, lr=lr),
-        make_example=functools.partial(_example, args=args),
-    )
+    return builtin_workload("mlp", args, _needs, build_model=_build_model, make_data=_make_data,
+                            make_example=_example, loss_fn=F.cross_entropy, cut_candidates=cut_candidates(depth),
+                            optimizer=functools.partial(fan_in_adam, lr=lr))

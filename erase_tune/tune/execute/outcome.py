@@ -12,7 +12,7 @@ import) is the cluster's and is retried before it is recorded.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 from erase_tune.measure.confirm import ConfirmResult
 from erase_tune.measure.trial import TrialResult
@@ -54,17 +54,18 @@ class WorkerInfo:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class TrialOutcome:
-    """One trial's measurement or its failure, never both."""
+class _Outcome:
+    """What every outcome holds: a worker's result or its failure, never both, and where it ran."""
 
-    trial_number: int
-    result: TrialResult | None = None
+    WHAT: ClassVar[str]
+    """What the outcome is of, as its error names it."""
+    result: Any = None
     failure: Failure | None = None
     worker: WorkerInfo = dataclasses.field(default_factory=WorkerInfo)
 
     def __post_init__(self) -> None:
         if (self.result is None) == (self.failure is None):
-            raise ValueError("a trial outcome holds a result or a failure, exactly one")
+            raise ValueError(f"a {self.WHAT} outcome holds a result or a failure, exactly one")
 
     @property
     def complete(self) -> bool:
@@ -72,13 +73,17 @@ class TrialOutcome:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ConfirmOutcome:
+class TrialOutcome(_Outcome):
+    """One trial's measurement or its failure, never both."""
+
+    WHAT: ClassVar[str] = "trial"
+    trial_number: int
+    result: TrialResult | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ConfirmOutcome(_Outcome):
     """A confirming re-measurement of front plans, or why it could not be made."""
 
+    WHAT: ClassVar[str] = "confirm"
     result: ConfirmResult | None = None
-    failure: Failure | None = None
-    worker: WorkerInfo = dataclasses.field(default_factory=WorkerInfo)
-
-    def __post_init__(self) -> None:
-        if (self.result is None) == (self.failure is None):
-            raise ValueError("a confirm outcome holds a result or a failure, exactly one")
