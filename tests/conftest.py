@@ -24,7 +24,21 @@ from sqlalchemy.pool import NullPool
 from erase_tune.store import redact_url
 
 
+SLOWEST_FIRST = (
+    "tests/tune/test_time_honesty.py", "tests/tune/test_resume_signals.py", "tests/tune/test_storage_loss.py",
+    "tests/tune/test_resume.py", "tests/test_hostile.py", "tests/tune/test_drivers.py", "tests/tune/test_service.py",
+    "tests/tune/test_noise_service.py", "tests/test_hostile_ops.py", "tests/torchrec/test_workloads_doc.py",
+    "tests/tune/test_early_stop.py", "tests/tune/test_ray_cluster.py", "tests/tune/test_cli_errors.py",
+    "tests/tune/test_workloads_doc.py", "tests/tune/test_faults.py", "tests/tune/test_record_race.py",
+)
+"""Test files of a minute or more on two cores, longest first. `make test` hands whole files to
+parallel workers in collection order (pytest-xdist's loadfile): these go first so that no long
+file starts last and leaves the others idle. A stale entry costs time, never a result."""
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {path: i for i, path in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
     if os.environ.get("ERASE_TUNE_LOAD_TESTS") != "1":
         load = pytest.mark.skip(reason="a load test of minutes: run with ERASE_TUNE_LOAD_TESTS=1")
         for item in items:
