@@ -23,7 +23,7 @@ from erase_tune._env import env_text
 from erase_tune.errors import EraseTuneError
 
 __all__ = ["SUPPORTED_BACKENDS", "STORAGE_ENV", "default_storage_url", "redact_url", "shown_url", "parse_url",
-           "engine_kwargs", "build_engine", "masked_line"]
+           "engine_kwargs", "connect_args", "build_engine", "masked_line"]
 
 SUPPORTED_BACKENDS = ("sqlite", "postgresql")
 """The backends the upserts in :mod:`erase_tune.store.repo` are written (and tested) for."""
@@ -34,6 +34,12 @@ lock held longer (another process's open transaction, a stuck writer) becomes an
 storage's retry policy handles (:mod:`erase_tune.store.retry`), which says within two seconds
 what it waits for and waits as long as ``$ERASE_TUNE_STORAGE_RETRY_S`` says, not SQLite's own
 silent wait."""
+
+PG_CONNECT_TIMEOUT_S = 2
+"""How long one PostgreSQL connection attempt may take (libpq's ``connect_timeout``, whose least
+is 2 s): at a port where something that is not PostgreSQL accepts and never answers, a command
+would otherwise wait in silence for good. A URL's own ``?connect_timeout=`` wins; a lost
+connection is still retried for as long as ``$ERASE_TUNE_STORAGE_RETRY_S`` says."""
 
 # Query parameters that drivers accept as credentials (libpq takes ?password=..., and
 # SQLAlchemy's own hide_password only masks the user:password@ part).
@@ -142,7 +148,16 @@ def engine_kwargs(url: URL) -> dict[str, Any]:
     else:
         # A driver that outlives a database restart must not hand out dead connections.
         kwargs["pool_pre_ping"] = True
+        kwargs["connect_args"] = connect_args(url)
     return kwargs
+
+
+def connect_args(url: URL) -> dict[str, Any]:
+    """What every connection to ``url`` is opened with besides the URL: a bounded connect on
+    PostgreSQL (:data:`PG_CONNECT_TIMEOUT_S`), unless the URL sets its own."""
+    if url.get_backend_name() == "postgresql" and "connect_timeout" not in url.query:
+        return {"connect_timeout": PG_CONNECT_TIMEOUT_S}
+    return {}
 
 
 def build_engine(url: URL) -> Engine:

@@ -38,7 +38,16 @@ from sqlalchemy.pool import NullPool
 from erase_tune import errors
 from erase_tune._env import env_seconds
 from erase_tune.errors import EraseTuneError
-from erase_tune.store.engine import WRITE_OPTION, _is_sqlite_memory, engine_kwargs, parse_url, redact_url, shown_url
+from erase_tune.store.engine import (
+    PG_CONNECT_TIMEOUT_S,
+    WRITE_OPTION,
+    _is_sqlite_memory,
+    connect_args,
+    engine_kwargs,
+    parse_url,
+    redact_url,
+    shown_url,
+)
 from erase_tune.store.optuna_storage import RetryingStorage
 from erase_tune.store.repo import Store
 from erase_tune.store.retry import RETRY_ENV, Retrier, StorageLost, cause, retrying
@@ -173,7 +182,8 @@ def open_storage(url: str, *, must_exist: bool = False, upgrade: bool = True,
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
                 continue
-            raise EraseTuneError(f"storage {shown_url(parsed)}: cannot open: {why}") from None
+            raise EraseTuneError(f"storage {shown_url(parsed)}: cannot open: {why}{_timeout_hint(why, parsed)}") \
+                from None
     return Storage(url=shown, optuna=RetryingStorage(rdb, store.retry), store=store, parsed=parsed)
 
 
@@ -192,10 +202,19 @@ def reach_storage(url: str) -> None:
         with engine.connect():
             pass
     except Exception as e:  # noqa: BLE001 - any driver/connection error becomes one line
-        raise EraseTuneError(f"storage {shown_url(parsed)}: cannot open: {errors.one_line(cause(e, parsed), 300)}") \
-            from None
+        why = errors.one_line(cause(e, parsed), 300)
+        raise EraseTuneError(f"storage {shown_url(parsed)}: cannot open: {why}{_timeout_hint(why, parsed)}") from None
     finally:
         engine.dispose()
+
+
+def _timeout_hint(why: str, parsed: URL) -> str:
+    """What a connect that timed out means (something answers there, and not as PostgreSQL),
+    and how to wait longer for a slow server."""
+    if "timeout expired" not in why or "connect_timeout" in parsed.query:
+        return ""
+    return (f" (no PostgreSQL answer within {PG_CONNECT_TIMEOUT_S} s: is it PostgreSQL at that port? A slow server: "
+            "add ?connect_timeout=SECONDS to the URL)")
 
 
 def _open_once(url: str, parsed: URL, kwargs: dict, upgrade: bool, heartbeat_interval: int | None,
@@ -243,7 +262,7 @@ def _check_readable(parsed: URL) -> None:
     (no WAL, nothing written); none there is one line, and the file is left byte for byte."""
     if _is_sqlite_memory(parsed):
         return
-    engine = create_engine(parsed, poolclass=NullPool)
+    engine = create_engine(parsed, poolclass=NullPool, connect_args=connect_args(parsed))
     try:
         tables = set(inspect(engine).get_table_names())
     finally:
