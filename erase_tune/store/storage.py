@@ -299,7 +299,8 @@ def _lock(url: URL, engine: Engine | None, name: str,
         def take() -> Connection:
             conn = engine.connect()
             try:
-                conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": key})
+                _wait_for_lock(lambda: bool(conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": key}).scalar()),
+                               url, name, "a PostgreSQL advisory lock")
                 conn.commit()
             except BaseException:
                 conn.invalidate()  # closed for good: a lock it may hold ends with its session
@@ -331,10 +332,46 @@ def _lock(url: URL, engine: Engine | None, name: str,
     try:
         # Threads of one process share an flock: serialise them first.
         with _LOCAL_LOCKS.setdefault(f"{lock_file}:{name}", threading.Lock()):
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            _wait_for_lock(lambda: _try_flock(fd), url, name, f"the file {errors.one_line(str(lock_file), 300)}")
             try:
                 yield
             finally:
                 fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)
+
+
+def _try_flock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+LOCK_SAID_S = 1.0
+"""A lock still not taken after this long is said to be waited for (one line, within 2 s)."""
+
+
+def _wait_for_lock(try_take: Callable[[], bool], url: URL, name: str, held_as: str) -> None:
+    """Take a lock another process may hold (another driver setting up the storage, or one
+    stopped while it held it): said after :data:`LOCK_SAID_S`, given up after the storage's
+    retry window (``$ERASE_TUNE_STORAGE_RETRY_S``) as :class:`StorageLost`, never a silent wait
+    for good."""
+    if try_take():
+        return
+    began = time.monotonic()
+    budget = env_seconds(RETRY_ENV, 60.0)
+    said = False
+    delay = 0.02
+    while not try_take():
+        waited = time.monotonic() - began
+        if waited >= budget:
+            raise StorageLost(f"storage {shown_url(url)}: another process has held its lock {name!r} ({held_as}) for "
+                              f"{waited:.0f}s (${RETRY_ENV}): is another erase-tune stuck, or stopped with Ctrl-Z?")
+        if not said and waited >= LOCK_SAID_S:
+            log.warning(f"storage {shown_url(url)}: another process holds its lock {name!r} ({held_as}); waiting up to "
+                        f"{budget:.0f}s (${RETRY_ENV}): Ctrl-C stops")
+            said = True
+        time.sleep(min(delay, max(0.0, budget - waited)))
+        delay = min(delay * 2, 0.25)
