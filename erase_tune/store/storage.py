@@ -49,6 +49,7 @@ from erase_tune.store.engine import (
     shown_url,
 )
 from erase_tune.store.optuna_storage import RetryingStorage
+from erase_tune.store.models import VERSION_TABLE
 from erase_tune.store.repo import Store
 from erase_tune.store.retry import RETRY_ENV, Retrier, StorageLost, cause, retrying
 
@@ -190,22 +191,32 @@ def open_storage(url: str, *, must_exist: bool = False, upgrade: bool = True,
 def reach_storage(url: str) -> None:
     """Check that a database server answers, before anything else starts (a local Ray, trial
     workers, a wait for GPUs of up to ``--gpu-wait``): a host typo or a wrong password is then
-    one line at once, not after minutes. Nothing is created or changed. A SQLite file is left
-    to :func:`open_storage` (its checks are about the path, and opening it may create it)."""
+    one line at once, not after minutes; so is a database of another application
+    (:func:`_check_tables`). Nothing is created or changed: a SQLite file that is not there is
+    left to :func:`open_storage` (its checks are about the path, and opening it may create it)."""
     parsed = parse_url(url)
+    engine = None
     if parsed.get_backend_name() == "sqlite":
-        return
-    from erase_tune.store.engine import build_engine
+        path = _sqlite_path(parsed)
+        if path is None or not _is_file(path):
+            return
+    else:
+        from erase_tune.store.engine import build_engine
 
-    engine = build_engine(parsed)
+        engine = build_engine(parsed)
     try:
-        with engine.connect():
-            pass
-    except Exception as e:  # noqa: BLE001 - any driver/connection error becomes one line
+        if engine is not None:
+            with engine.connect():
+                pass
+        _check_tables(parsed, reader=False)
+    except EraseTuneError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any driver/connection error, a file that is no database: one line
         why = errors.one_line(cause(e, parsed), 300)
         raise EraseTuneError(f"storage {shown_url(parsed)}: cannot open: {why}{_timeout_hint(why, parsed)}") from None
     finally:
-        engine.dispose()
+        if engine is not None:
+            engine.dispose()
 
 
 def _timeout_hint(why: str, parsed: URL) -> str:
@@ -226,8 +237,9 @@ def _open_once(url: str, parsed: URL, kwargs: dict, upgrade: bool, heartbeat_int
             from erase_tune.store.engine import build_engine
 
             setup_engine = build_engine(parsed)
-        if existing:  # a reader, or export: a storage of studies, never one set up here
-            _check_readable(parsed)
+        # A reader, or export: a storage of studies, never one set up here; a writer: never a
+        # database of another application.
+        _check_tables(parsed, reader=existing)
         with _lock(parsed, setup_engine, "schema") if upgrade else contextlib.nullcontext():
             rdb = optuna.storages.RDBStorage(url, engine_kwargs=kwargs, heartbeat_interval=heartbeat_interval,
                                              grace_period=grace_period)
@@ -253,13 +265,26 @@ OPTUNA_TABLES = frozenset({"studies", "trials", "version_info"})
 """Tables every Optuna storage holds: a database without them is no study storage."""
 
 
-def _check_readable(parsed: URL) -> None:
-    """A reader (``upgrade=False``: status, report, dashboard, ``db current``) or a command that
-    needs a study there already (``must_exist``: export) opens only a database that holds
-    Optuna's tables. Optuna's ``RDBStorage`` creates its tables and stamps
-    its version in whatever database it is given, and our SQLite engine turns WAL on: both
-    would change a file that is not ours. So the tables are listed first on a plain engine
-    (no WAL, nothing written); none there is one line, and the file is left byte for byte."""
+def _optuna_tables() -> frozenset[str]:
+    """Every table of this Optuna's schema (its RDBStorage creates those missing when it opens a
+    storage: a reader must find them all)."""
+    try:
+        from optuna.storages._rdb import models  # the schema has no public name
+    except ImportError:  # pragma: no cover - another Optuna layout: the core tables only
+        return OPTUNA_TABLES
+    return frozenset(models.BaseModel.metadata.tables)
+
+
+def _check_tables(parsed: URL, *, reader: bool) -> None:
+    """Refuse, before anything is written, a database that is not an erase-tune storage.
+
+    Optuna's ``RDBStorage`` creates its tables and stamps its version in whatever database it is
+    given, and our SQLite engine turns WAL on: both would change a file that is not ours. So
+    the tables are listed first on a plain engine (no WAL, nothing written). A reader (status,
+    report, dashboard, ``db current``; export, which needs a study there) opens only a database
+    that holds every table of Optuna's schema; a writer (``db upgrade``, ``start``) may set up an
+    empty one, or one that is already a storage, never one that holds only another
+    application's tables. A refusal is one line, and the database is left byte for byte."""
     if _is_sqlite_memory(parsed):
         return
     engine = create_engine(parsed, poolclass=NullPool, connect_args=connect_args(parsed))
@@ -267,10 +292,23 @@ def _check_readable(parsed: URL) -> None:
         tables = set(inspect(engine).get_table_names())
     finally:
         engine.dispose()
-    if not OPTUNA_TABLES <= tables:
+    shown = shown_url(parsed)
+    if reader and not OPTUNA_TABLES <= tables:
         what = "an empty database" if not tables else f"a database of {len(tables)} other tables"
-        raise EraseTuneError(f"storage {shown_url(parsed)} is not an erase-tune storage ({what}, no Optuna "
-                             "study tables); nothing was changed")
+        raise EraseTuneError(f"storage {shown} is not an erase-tune storage ({what}, no Optuna study tables); "
+                             "nothing was changed")
+    missing = sorted(_optuna_tables() - tables)
+    if reader and missing:
+        raise EraseTuneError(f"storage {shown} lacks Optuna's table(s) {', '.join(missing)} (dropped?), which reading "
+                             f"it would create; nothing was changed (`erase-tune db upgrade --storage {shown}` makes "
+                             "them again, empty)")
+    ours = tables & (_optuna_tables() | OPTUNA_TABLES | {VERSION_TABLE}) or {t for t in tables if t.startswith("et_")}
+    if not reader and tables and not ours:
+        listed = ", ".join(sorted(tables)[:3]) + (", …" if len(tables) > 3 else "")
+        count = f"{len(tables)} table{'s' if len(tables) > 1 else ''}"
+        raise EraseTuneError(f"storage {shown} is a database of another application ({count}: "
+                             f"{errors.one_line(listed, 120)}; none of Optuna's or erase-tune's): give erase-tune a "
+                             "database of its own; nothing was changed")
 
 
 def _is_file(path: Path) -> bool:
