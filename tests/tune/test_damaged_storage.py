@@ -1,0 +1,68 @@
+"""A storage whose stored values were damaged (edited by hand, written by another program, a
+disk error): the commands that read it say so in one line, never a traceback, and change
+nothing (issue 30)."""
+
+from __future__ import annotations
+
+import hashlib
+import sqlite3
+
+import pytest
+
+from tests.tune.conftest import run_cli
+from tests.tune.studies import STUDY_NAME, write_finished_study
+from tests.tune.test_cli_errors import one_error_line
+
+READERS = (["status"], ["status", "--json"], ["status", "--study", STUDY_NAME],
+           ["status", "--study", STUDY_NAME, "--trial", "12", "--json"])
+
+
+@pytest.fixture
+def stored(tmp_path):
+    url = write_finished_study(tmp_path / "s.db", gain_over="eager")
+    assert run_cli("db", "upgrade", "--storage", url) == 0
+    return url, tmp_path / "s.db"
+
+
+def _sql(path, statement: str, *args) -> None:
+    conn = sqlite3.connect(path)
+    conn.execute(statement, args)
+    conn.commit()
+    conn.close()
+
+
+def _bytes(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _readers_say(url, path, capsys, *needles, argvs=READERS) -> None:
+    before = _bytes(path)
+    for argv in argvs:
+        assert run_cli(*argv, "--storage", url) == 2, argv
+        one_error_line(capsys.readouterr().err, *needles, "nothing was changed")
+    assert _bytes(path) == before
+
+
+@pytest.mark.parametrize("value", ["not json", "{", "", "[" * 5000 + "]" * 5000])
+@pytest.mark.parametrize(("table", "key"), [("study_user_attributes", "max_ne_gap"),
+                                            ("trial_user_attributes", "plan"),
+                                            ("trial_system_attributes", "constraints")])
+def test_a_stored_attribute_that_is_not_json_is_one_line(stored, capsys, table, key, value):
+    url, path = stored
+    _sql(path, f"UPDATE {table} SET value_json = ? WHERE key = ?", value, key)
+    # was: a JSONDecodeError (or RecursionError) traceback from Optuna's reading of the study
+    _readers_say(url, path, capsys, "holds damaged data: while", "a stored value is")
+
+
+def test_a_job_column_that_is_not_json_is_one_line(stored, capsys, tmp_path):
+    url, path = stored
+    from erase_tune.store.storage import open_storage
+
+    db = open_storage(url)
+    try:
+        db.store.create_job(study_name=STUDY_NAME, space_path="x.yaml", space_yaml="", workload="ctr")
+    finally:
+        db.close()
+    _sql(path, "UPDATE et_jobs SET settings = 'not json'")
+    _readers_say(url, path, capsys, "holds damaged data: while", "not JSON",
+                 argvs=(["status"], ["export", "--study", STUDY_NAME, "-o", tmp_path / "best.yaml"]))
