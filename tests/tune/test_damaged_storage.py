@@ -66,3 +66,28 @@ def test_a_job_column_that_is_not_json_is_one_line(stored, capsys, tmp_path):
     _sql(path, "UPDATE et_jobs SET settings = 'not json'")
     _readers_say(url, path, capsys, "holds damaged data: while", "not JSON",
                  argvs=(["status"], ["export", "--study", STUDY_NAME, "-o", tmp_path / "best.yaml"]))
+
+
+@pytest.mark.parametrize(("where", "key", "value", "needle"), [
+    ("study", "max_ne_gap", '"abc"', "its stored attribute 'max_ne_gap' is 'abc', not a number"),
+    ("study", "workload", "[1, 2]", "its stored attribute 'workload' is [1, 2], not a mapping with a name"),
+    ("study", "gain_over", "7", "its stored attribute 'gain_over' is 7, not eager or graph"),
+    ("study", "noise_floor", "5", "its stored attribute 'noise_floor' is 5, not a noise floor"),
+    ("trial", "gain_vs_graph", "[]", "trial 12's stored attribute 'gain_vs_graph' is [], not a number"),
+    ("trial", "plan", "5", "trial 12's stored attribute 'plan' is 5, not a mapping"),
+    ("trial", "feasible", '"yes"', "trial 12's stored attribute 'feasible' is 'yes', not true or false"),
+])
+def test_a_stored_attribute_of_the_wrong_kind_is_one_line(stored, capsys, tmp_path, where, key, value, needle):
+    url, path = stored
+    if where == "study":
+        _sql(path, "INSERT OR REPLACE INTO study_user_attributes (study_id, key, value_json) VALUES (1, ?, ?)",
+             key, value)
+    else:
+        _sql(path, "DELETE FROM trial_user_attributes WHERE key = ? AND trial_id = "
+                   "(SELECT trial_id FROM trials WHERE number = 12)", key)
+        _sql(path, "INSERT INTO trial_user_attributes (trial_id, key, value_json) "
+                   "SELECT trial_id, ?, ? FROM trials WHERE number = 12", key, value)
+    # was: a TypeError or AttributeError traceback from formatting the table or choosing the plan
+    _readers_say(url, path, capsys, f"study '{STUDY_NAME}': {needle}", "(damaged?)",
+                 argvs=(*READERS[2:], ["export", "--study", STUDY_NAME, "-o", tmp_path / "best.yaml"],
+                        ["report", "--study", STUDY_NAME, "-o", tmp_path / "rep"]))
