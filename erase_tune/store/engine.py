@@ -99,6 +99,10 @@ def parse_url(url: str) -> URL:
     if url != url.strip():  # Optuna opens the URL as given: a SQLite file whose name ends in a space
         raise EraseTuneError(f"storage URL '{shown_url(url)}' begins or ends with white space (copied along?): "
                              "remove it")
+    if not url.isprintable():  # a zero-width space or a control character: a file of another name
+        odd = next(c for c in url if not c.isprintable())
+        raise EraseTuneError(f"storage URL '{shown_url(url)}' holds the invisible or control character "
+                             f"{odd.encode('unicode_escape').decode('ascii')} (copied along?): remove it")
     try:
         parsed = make_url(url)
     except (ArgumentError, ValueError):
@@ -119,6 +123,13 @@ def parse_url(url: str) -> URL:
             f"database backend {dialect.name!r} (storage URL {shown_url(parsed)}) is not supported: "
             f"use one of {', '.join(SUPPORTED_BACKENDS)}"
         )
+    if dialect.name == "sqlite" and parsed.query:
+        # pysqlite ignores ?mode=ro without uri=true (a reader's "read-only" would write), and with it
+        # reads the path as a URI: erase-tune opens the file itself (WAL, its busy timeout), and a
+        # command that only reads never writes.
+        raise EraseTuneError(
+            f"storage URL {shown_url(parsed)}: SQLite options in the URL ({', '.join(sorted(parsed.query))}) are not "
+            f"supported: give the plain path, sqlite:///{parsed.database or ''}")
     if getattr(dialect, "is_async", False):
         raise EraseTuneError(
             f"async driver {parsed.drivername!r} in storage URL {shown_url(parsed)} is not supported: "
