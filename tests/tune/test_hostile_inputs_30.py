@@ -304,3 +304,16 @@ def test_a_storage_url_with_an_invisible_character_is_refused(tmp_path, capsys, 
     assert run_cli("db", "upgrade", "--storage", url) == 2
     one_error_line(capsys.readouterr().err, "invisible or control character", char.encode("unicode_escape").decode())
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "proc"])
+def test_start_with_a_journal_it_cannot_write_is_one_line_before_anything(tmp_path, capsys, monkeypatch, where):
+    """Was: found when the first trial's outcome was journaled, the job ending in a traceback."""
+    (tmp_path / "afile").write_text("")
+    journal = tmp_path / "afile" / "journal" if where == "under-a-file" else Path("/proc/erase-tune-journal")
+    monkeypatch.setenv("ERASE_TUNE_JOURNAL_DIR", str(journal))
+    db = tmp_path / "start.db"
+    assert run_cli("start", "--space", SMOKE, "--study", "j", "--storage", f"sqlite:///{db}",
+                   "--ray-address", "127.0.0.1:1") == 2
+    one_error_line(capsys.readouterr().err, "$ERASE_TUNE_JOURNAL_DIR: cannot write in", str(journal))
+    assert not db.exists()
