@@ -142,7 +142,7 @@ def _is_sqlite_memory(url: URL) -> bool:
     return url.database in (None, "", ":memory:") or "mode=memory" in str(url.query.get("mode", ""))
 
 
-def engine_kwargs(url: URL) -> dict[str, Any]:
+def engine_kwargs(url: URL, *, wal: bool = True) -> dict[str, Any]:
     """The ``create_engine`` arguments for ``url``: the one configuration that both Optuna's
     storage and erase-tune's tables use (``RDBStorage(engine_kwargs=...)`` and
     :func:`build_engine`), so a storage URL never yields two differently behaving engines."""
@@ -152,6 +152,9 @@ def engine_kwargs(url: URL) -> dict[str, Any]:
         # connection to the thread that opened it (the pool already serialises access).
         kwargs["connect_args"] = {"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}
         kwargs["plugins"] = [_SQLITE_PLUGIN]
+        # A command that only reads leaves the file's journal mode as it is (a plain Optuna
+        # storage is not made a WAL database by status); erase-tune's own are WAL from the start.
+        kwargs[WAL_OPTION] = wal
         # :memory: is a new, empty database per connection: share one. A file gets a fresh
         # connection per use (cheap for SQLite): a pooled handle would hide the file being
         # made read-only or replaced until much later, and hold it open meanwhile.
@@ -197,18 +200,22 @@ class SQLiteSettings(CreateEnginePlugin):
     retries those on a lock (:mod:`erase_tune.store.retry`).
     """
 
+    def __init__(self, url: URL, kwargs: dict[str, Any]) -> None:
+        super().__init__(url, kwargs)
+        self.wal = kwargs.pop(WAL_OPTION, True)
+
     def update_url(self, url: URL) -> URL:
         return url  # the plugin takes no arguments from the URL
 
     def engine_created(self, engine: Engine) -> None:
-        memory = _is_sqlite_memory(engine.url)
+        keep_journal_mode = _is_sqlite_memory(engine.url) or not self.wal
 
         @event.listens_for(engine, "connect")
         def _on_connect(dbapi_connection: Any, _record: Any) -> None:
             dbapi_connection.isolation_level = None
             cursor = dbapi_connection.cursor()
             try:
-                if not memory:
+                if not keep_journal_mode:
                     # WAL lets readers (status, dashboard) proceed while a result is written;
                     # with WAL, synchronous=NORMAL is crash-safe for the application and skips
                     # an fsync per commit (a trial writes a few dozen attributes).
@@ -225,6 +232,8 @@ class SQLiteSettings(CreateEnginePlugin):
 
 
 _SQLITE_PLUGIN = "erase_tune_sqlite"
+WAL_OPTION = "erase_tune_wal"
+"""``create_engine`` argument the plugin takes: whether its connections turn WAL on (writers)."""
 WRITE_OPTION = "erase_tune_write"
 """Execution option marking erase-tune's own connections (``BEGIN IMMEDIATE`` on SQLite)."""
 plugins.register(_SQLITE_PLUGIN, __name__, "SQLiteSettings")

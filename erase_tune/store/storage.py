@@ -158,7 +158,7 @@ def open_storage(url: str, *, must_exist: bool = False, upgrade: bool = True,
     path = _sqlite_path(parsed)
     if must_exist and path is not None and not _is_file(path):
         raise EraseTuneError(f"storage {shown_url(parsed)}: no database file at {errors.one_line(str(path), 300)}")
-    kwargs = engine_kwargs(parsed)
+    kwargs = engine_kwargs(parsed, wal=upgrade)  # a reader changes nothing, not the journal mode either
     # Another process opening the same SQLite file at this moment (a second driver, status, the
     # dashboard: Optuna creates its tables when it opens a storage) can make set-up's deferred
     # transactions fail at once with "database is locked" instead of waiting, or find a table the

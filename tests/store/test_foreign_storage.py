@@ -74,3 +74,22 @@ def test_a_reader_refuses_a_storage_missing_one_of_optunas_tables(tmp_path, caps
     assert _bytes(tmp_path / "s.db") == before
     assert run_cli("db", "upgrade", "--storage", url) == 0  # what the line advises: the table is back, empty
     assert run_cli("status", "--study", STUDY_NAME, "--storage", url) == 0
+
+
+def test_reading_a_plain_optuna_storage_leaves_its_journal_mode(tmp_path, capsys):
+    """status on a SQLite file Optuna made itself (rollback journal) turned it into a WAL database."""
+    import optuna
+
+    path = tmp_path / "plain.db"
+    storage = optuna.storages.RDBStorage(f"sqlite:///{path}")
+    optuna.create_study(storage=storage, study_name="plain", direction="minimize").optimize(
+        lambda t: t.suggest_float("x", 0, 1), n_trials=2)
+    storage.engine.dispose()
+    before = _bytes(path)
+    for argv, code in ((["status"], 2), (["status", "--study", "plain", "--trial", "0"], 2), (["db", "current"], 0),
+                       (["report", "--study", "plain", "-o", tmp_path / "rep"], 2)):
+        assert run_cli(*argv, "--storage", f"sqlite:///{path}") == code, argv  # 2: not an erase-tune job
+        capsys.readouterr()
+    assert _bytes(path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["plain.db"]
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
