@@ -91,3 +91,22 @@ def test_a_stored_attribute_of_the_wrong_kind_is_one_line(stored, capsys, tmp_pa
     _readers_say(url, path, capsys, f"study '{STUDY_NAME}': {needle}", "(damaged?)",
                  argvs=(*READERS[2:], ["export", "--study", STUDY_NAME, "-o", tmp_path / "best.yaml"],
                         ["report", "--study", STUDY_NAME, "-o", tmp_path / "rep"]))
+
+
+def test_an_export_it_could_not_record_says_the_plan_was_written(tmp_path, capsys, monkeypatch):
+    from erase_tune.runtime import ErasePlan
+    from tests.hostile_world_30 import World
+
+    world = World(tmp_path)
+    try:
+        path = world.copy()
+        _sql(path, "DROP TABLE et_exports")
+        monkeypatch.setenv("ERASE_TUNE_STORAGE_RETRY_S", "0.5")
+        out = tmp_path / "best.yaml"
+        assert run_cli("export", "--study", STUDY_NAME, "--storage", f"sqlite:///{path}", "-o", out) == 3
+        err = capsys.readouterr().err
+        # was: "lost while recording an export", read as if nothing were written, and the plan was there
+        assert err.strip().splitlines()[-1].startswith(f"erase-tune: error: wrote {out}, but did not record the export")
+        assert ErasePlan.load(out).provenance["study"] == STUDY_NAME
+    finally:
+        world.close()
