@@ -110,3 +110,19 @@ def test_an_export_it_could_not_record_says_the_plan_was_written(tmp_path, capsy
         assert ErasePlan.load(out).provenance["study"] == STUDY_NAME
     finally:
         world.close()
+
+
+@pytest.mark.parametrize("value", ["5", "[]", '"x"'])
+def test_a_job_column_of_the_wrong_kind_is_one_line(stored, capsys, tmp_path, value):
+    url, path = stored
+    from erase_tune.store.storage import open_storage
+
+    db = open_storage(url)
+    try:
+        db.store.create_job(study_name=STUDY_NAME, space_path="x.yaml", space_yaml="", workload="ctr")
+    finally:
+        db.close()
+    _sql(path, "UPDATE et_jobs SET settings = ?", value)
+    # was: TypeError: 'int' object is not iterable, from dict(settings)
+    _readers_say(url, path, capsys, "the stored et_jobs.settings of a row is", "not a mapping (damaged?)",
+                 argvs=(["status"], ["export", "--study", STUDY_NAME, "-o", tmp_path / "best.yaml"]))
