@@ -171,18 +171,22 @@ def open_storage(url: str, *, must_exist: bool = False, upgrade: bool = True,
             rdb, store = _open_once(url, parsed, kwargs, upgrade, heartbeat_interval, grace_period,
                                     existing=must_exist or not upgrade)
             break
-        except EraseTuneError:
-            raise
         except Exception as e:  # noqa: BLE001 - any driver/connection error becomes one line
-            why = errors.one_line(cause(e, parsed), 300)
-            racing = "database is locked" in why or "already exists" in why  # its tables, made beside ours
+            ours = isinstance(e, EraseTuneError)  # our refusals; and a migration that met a locked file
+            why = errors.one_line(str(e) if ours else cause(e, parsed), 300)
+            racing = "database is locked" in why or not ours and "already exists" in why  # its tables, beside ours
+            if ours and not racing:
+                raise
             if racing and time.monotonic() + delay < deadline:
                 if delay == 0.2:  # the first wait: say what for, how long, how to stop
-                    log.info(f"storage {shown}: another process is setting it up ({why[:80]}); waiting up to "
+                    reason = "database is locked" if "database is locked" in why else why[:80]
+                    log.info(f"storage {shown}: another process is setting it up ({reason}); waiting up to "
                              f"{deadline - time.monotonic():.0f}s (${RETRY_ENV}): Ctrl-C stops")
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
                 continue
+            if ours:
+                raise
             raise EraseTuneError(f"storage {shown_url(parsed)}: cannot open: {why}{_timeout_hint(why, parsed)}") \
                 from None
     return Storage(url=shown, optuna=RetryingStorage(rdb, store.retry), store=store, parsed=parsed)
