@@ -38,7 +38,7 @@ import yaml
 
 from erase_tune.errors import EraseTuneError, one_line, shown
 
-__all__ = ["MAX_FILE_BYTES", "MAX_DEPTH", "MAX_VALUES", "read_text", "load_yaml", "name_problem",
+__all__ = ["MAX_FILE_BYTES", "MAX_DEPTH", "MAX_VALUES", "read_text", "load_yaml", "load_arg", "name_problem",
            "aux_weight_problem", "check_output", "write_atomic"]
 
 MAX_FILE_BYTES = 1 << 20
@@ -92,6 +92,23 @@ def load_yaml(text: str, source: str, error: type[EraseTuneError]) -> Any:
         raise error(f"{source}: not valid YAML: nested too deeply (at most {MAX_DEPTH} levels)") from None
     except ValueError as e:  # e.g. an integer of more than 4300 digits
         raise error(f"{source}: not valid YAML: a value cannot be read ({one_line(str(e).splitlines()[0])})") from None
+    _check_shape(data, source, error)
+    return data
+
+
+def load_arg(text: str, source: str, error: type[EraseTuneError]) -> Any:
+    """One value typed on a command line (``--arg key=value``), read as YAML within a file's
+    bounds (a billion laughs in one argument would otherwise be repeated into every message and
+    every JSON that shows it); text that YAML cannot read is kept as it is (``512-256-128``)."""
+    source = one_line(source, 100)
+    try:
+        data = yaml.load(text, Loader=_Loader)
+    except (yaml.YAMLError, ValueError):  # not YAML, or an integer too long: the text as typed
+        return text
+    except (_TooDeep, RecursionError):
+        raise error(f"{source}: nested more than {MAX_DEPTH} levels deep") from None
+    except _Duplicate as e:
+        raise error(f"{source}: the key {shown(e.key)} appears twice") from None
     _check_shape(data, source, error)
     return data
 

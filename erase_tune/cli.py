@@ -382,7 +382,12 @@ def _main(argv: Sequence[str] | None) -> int:
     ns = None
     try:
         restore = on_signals()
-        ns = build_parser().parse_args(argv)
+        try:
+            ns = build_parser().parse_args(argv)
+        except SystemExit as e:
+            if not e.code:  # --help, --version: a full disk shows here, not as a silent exit 0
+                sys.stdout.flush()
+            raise
         # As `python -m` does: a user's `package.module:factory` next to where the command runs
         # imports without installing it (the console script alone would not look there).
         if os.getcwd() not in sys.path and "" not in sys.path:

@@ -4,7 +4,8 @@ holds the commands themselves). A usage error is one line and exit 2, like every
 from __future__ import annotations
 
 import argparse
-from typing import NoReturn
+import sys
+from typing import IO, NoReturn
 
 from erase_tune.errors import one_line
 
@@ -16,6 +17,11 @@ MAX_USAGE_MESSAGE = 300
 
 
 class Parser(argparse.ArgumentParser):
+    def _print_message(self, message: str, file: IO[str] | None = None) -> None:
+        # argparse ignores a write that fails: --help onto a full disk ended in exit 0, its text lost.
+        if message:
+            (file or sys.stderr).write(message)
+
     def error(self, message: str) -> NoReturn:  # one line, exit 2 (argparse's own prints usage too)
         # argparse quotes the value it refused in full: a 5000-digit --trials would fill the screen.
         message = one_line(message, squeeze=True)

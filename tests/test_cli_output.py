@@ -36,3 +36,14 @@ def test_output_onto_a_full_disk_is_one_line_and_exit_2(tmp_path):
     assert out.returncode == 2
     assert out.stderr == ("erase-tune: error: cannot write the command's output: No space left on device "
                           "(free some space or write elsewhere)\n")
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["start", "--help"]])
+def test_help_onto_a_full_disk_is_one_line_and_exit_2(tmp_path, argv):
+    """Was: exit 0, the text lost (argparse exits before the command's own flush)."""
+    with open("/dev/full", "w") as full:
+        out = _run(argv, tmp_path, stdout=full)
+    assert out.returncode == 2
+    assert out.stderr == ("erase-tune: error: cannot write the command's output: No space left on device "
+                          "(free some space or write elsewhere)\n")

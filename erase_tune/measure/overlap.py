@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from erase_tune.errors import EraseTuneError, one_line
+
 __all__ = [
     "KernelInterval",
     "OverlapReport",
@@ -201,8 +203,14 @@ def profile_steps(
             torch.cuda.synchronize()
     path = os.fspath(trace_path)  # export_chrome_trace calls path.endswith, so it needs a str
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    prof.export_chrome_trace(path)
-    return overlap_report(kernel_intervals_from_trace(path), main_stream=main_stream)
+    try:
+        prof.export_chrome_trace(path)
+        intervals = kernel_intervals_from_trace(path)
+    except (OSError, ValueError) as e:  # the profiler says it failed on stderr and goes on: a full disk
+        why = e.strerror if isinstance(e, OSError) and e.strerror else one_line(e, 100)
+        raise EraseTuneError(f"cannot write the trace {one_line(path, 300)} ({why}; the profiler could not write "
+                             "it whole: a full disk?)") from None
+    return overlap_report(intervals, main_stream=main_stream)
 
 
 def _load_trace(path: Path) -> Any:

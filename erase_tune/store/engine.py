@@ -23,7 +23,7 @@ from erase_tune._env import env_text
 from erase_tune.errors import EraseTuneError
 
 __all__ = ["SUPPORTED_BACKENDS", "STORAGE_ENV", "default_storage_url", "redact_url", "shown_url", "parse_url",
-           "engine_kwargs", "build_engine", "masked_line"]
+           "engine_kwargs", "connect_args", "build_engine", "masked_line"]
 
 SUPPORTED_BACKENDS = ("sqlite", "postgresql")
 """The backends the upserts in :mod:`erase_tune.store.repo` are written (and tested) for."""
@@ -34,6 +34,12 @@ lock held longer (another process's open transaction, a stuck writer) becomes an
 storage's retry policy handles (:mod:`erase_tune.store.retry`), which says within two seconds
 what it waits for and waits as long as ``$ERASE_TUNE_STORAGE_RETRY_S`` says, not SQLite's own
 silent wait."""
+
+PG_CONNECT_TIMEOUT_S = 2
+"""How long one PostgreSQL connection attempt may take (libpq's ``connect_timeout``, whose least
+is 2 s): at a port where something that is not PostgreSQL accepts and never answers, a command
+would otherwise wait in silence for good. A URL's own ``?connect_timeout=`` wins; a lost
+connection is still retried for as long as ``$ERASE_TUNE_STORAGE_RETRY_S`` says."""
 
 # Query parameters that drivers accept as credentials (libpq takes ?password=..., and
 # SQLAlchemy's own hide_password only masks the user:password@ part).
@@ -93,6 +99,10 @@ def parse_url(url: str) -> URL:
     if url != url.strip():  # Optuna opens the URL as given: a SQLite file whose name ends in a space
         raise EraseTuneError(f"storage URL '{shown_url(url)}' begins or ends with white space (copied along?): "
                              "remove it")
+    if not url.isprintable():  # a zero-width space or a control character: a file of another name
+        odd = next(c for c in url if not c.isprintable())
+        raise EraseTuneError(f"storage URL '{shown_url(url)}' holds the invisible or control character "
+                             f"{odd.encode('unicode_escape').decode('ascii')} (copied along?): remove it")
     try:
         parsed = make_url(url)
     except (ArgumentError, ValueError):
@@ -113,6 +123,13 @@ def parse_url(url: str) -> URL:
             f"database backend {dialect.name!r} (storage URL {shown_url(parsed)}) is not supported: "
             f"use one of {', '.join(SUPPORTED_BACKENDS)}"
         )
+    if dialect.name == "sqlite" and parsed.query:
+        # pysqlite ignores ?mode=ro without uri=true (a reader's "read-only" would write), and with it
+        # reads the path as a URI: erase-tune opens the file itself (WAL, its busy timeout), and a
+        # command that only reads never writes.
+        raise EraseTuneError(
+            f"storage URL {shown_url(parsed)}: SQLite options in the URL ({', '.join(sorted(parsed.query))}) are not "
+            f"supported: give the plain path, sqlite:///{parsed.database or ''}")
     if getattr(dialect, "is_async", False):
         raise EraseTuneError(
             f"async driver {parsed.drivername!r} in storage URL {shown_url(parsed)} is not supported: "
@@ -125,7 +142,7 @@ def _is_sqlite_memory(url: URL) -> bool:
     return url.database in (None, "", ":memory:") or "mode=memory" in str(url.query.get("mode", ""))
 
 
-def engine_kwargs(url: URL) -> dict[str, Any]:
+def engine_kwargs(url: URL, *, wal: bool = True) -> dict[str, Any]:
     """The ``create_engine`` arguments for ``url``: the one configuration that both Optuna's
     storage and erase-tune's tables use (``RDBStorage(engine_kwargs=...)`` and
     :func:`build_engine`), so a storage URL never yields two differently behaving engines."""
@@ -135,6 +152,9 @@ def engine_kwargs(url: URL) -> dict[str, Any]:
         # connection to the thread that opened it (the pool already serialises access).
         kwargs["connect_args"] = {"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}
         kwargs["plugins"] = [_SQLITE_PLUGIN]
+        # A command that only reads leaves the file's journal mode as it is (a plain Optuna
+        # storage is not made a WAL database by status); erase-tune's own are WAL from the start.
+        kwargs[WAL_OPTION] = wal
         # :memory: is a new, empty database per connection: share one. A file gets a fresh
         # connection per use (cheap for SQLite): a pooled handle would hide the file being
         # made read-only or replaced until much later, and hold it open meanwhile.
@@ -142,7 +162,16 @@ def engine_kwargs(url: URL) -> dict[str, Any]:
     else:
         # A driver that outlives a database restart must not hand out dead connections.
         kwargs["pool_pre_ping"] = True
+        kwargs["connect_args"] = connect_args(url)
     return kwargs
+
+
+def connect_args(url: URL) -> dict[str, Any]:
+    """What every connection to ``url`` is opened with besides the URL: a bounded connect on
+    PostgreSQL (:data:`PG_CONNECT_TIMEOUT_S`), unless the URL sets its own."""
+    if url.get_backend_name() == "postgresql" and "connect_timeout" not in url.query:
+        return {"connect_timeout": PG_CONNECT_TIMEOUT_S}
+    return {}
 
 
 def build_engine(url: URL) -> Engine:
@@ -171,18 +200,22 @@ class SQLiteSettings(CreateEnginePlugin):
     retries those on a lock (:mod:`erase_tune.store.retry`).
     """
 
+    def __init__(self, url: URL, kwargs: dict[str, Any]) -> None:
+        super().__init__(url, kwargs)
+        self.wal = kwargs.pop(WAL_OPTION, True)
+
     def update_url(self, url: URL) -> URL:
         return url  # the plugin takes no arguments from the URL
 
     def engine_created(self, engine: Engine) -> None:
-        memory = _is_sqlite_memory(engine.url)
+        keep_journal_mode = _is_sqlite_memory(engine.url) or not self.wal
 
         @event.listens_for(engine, "connect")
         def _on_connect(dbapi_connection: Any, _record: Any) -> None:
             dbapi_connection.isolation_level = None
             cursor = dbapi_connection.cursor()
             try:
-                if not memory:
+                if not keep_journal_mode:
                     # WAL lets readers (status, dashboard) proceed while a result is written;
                     # with WAL, synchronous=NORMAL is crash-safe for the application and skips
                     # an fsync per commit (a trial writes a few dozen attributes).
@@ -199,6 +232,8 @@ class SQLiteSettings(CreateEnginePlugin):
 
 
 _SQLITE_PLUGIN = "erase_tune_sqlite"
+WAL_OPTION = "erase_tune_wal"
+"""``create_engine`` argument the plugin takes: whether its connections turn WAL on (writers)."""
 WRITE_OPTION = "erase_tune_write"
 """Execution option marking erase-tune's own connections (``BEGIN IMMEDIATE`` on SQLite)."""
 plugins.register(_SQLITE_PLUGIN, __name__, "SQLiteSettings")

@@ -30,9 +30,12 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    event,
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from erase_tune.errors import EraseTuneError, shown
 
 __all__ = [
     "TABLE_PREFIX",
@@ -111,6 +114,17 @@ def _in(column: str, values: tuple[str, ...]) -> str:
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
     type_annotation_map = {dict[str, Any]: JSONType, dt.datetime: UTCDateTime}
+
+
+@event.listens_for(Base, "load", propagate=True)
+def _json_columns_hold_mappings(row: Base, _context: Any) -> None:
+    """Every JSON column is written as a mapping; one that holds something else (edited by hand,
+    written by another program) is one line when it is read, not a TypeError where it is used."""
+    for column in row.__table__.columns:
+        value = getattr(row, column.key, None)
+        if isinstance(column.type, JSON) and value is not None and not isinstance(value, dict):
+            raise EraseTuneError(f"the stored {row.__tablename__}.{column.key} of a row is {shown(value)}, not a "
+                                 "mapping (damaged?); nothing was changed")
 
 
 class JobRow(Base):

@@ -150,6 +150,7 @@ class Store(Results):
             migrate.downgrade(self._connectable(), rev)
         self._schema_checked = False
 
+    @retried("reading the schema's revision")
     def current_revision(self) -> str | None:
         """The erase-tune revision the database is at; None if it has none of our tables."""
         with self._connect() as conn:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import threading
 import time
@@ -103,9 +104,16 @@ class Retrier:
         self._local = threading.local()
 
     def __call__(self, what: str, fn: Callable[[], T], *, idempotent: bool = True) -> T:
-        if getattr(self._local, "once", False):
-            return fn()
-        return retrying(what, fn, url=self.url, parsed=self.parsed, idempotent=idempotent)
+        try:
+            if getattr(self._local, "once", False):
+                return fn()
+            return retrying(what, fn, url=self.url, parsed=self.parsed, idempotent=idempotent)
+        except (json.JSONDecodeError, RecursionError) as e:
+            # A stored attribute or column that is not JSON (edited by hand, a disk error): Optuna's
+            # and SQLAlchemy's decoding would end the command in a traceback.
+            why = "nested too deeply" if isinstance(e, RecursionError) else f"not JSON: {masked_line(e)}"
+            raise EraseTuneError(f"storage {self.url} holds damaged data: while {what}, a stored value is {why}; "
+                                 "nothing was changed") from None
 
     @contextlib.contextmanager
     def once(self) -> Iterator[None]:

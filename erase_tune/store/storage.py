@@ -38,8 +38,18 @@ from sqlalchemy.pool import NullPool
 from erase_tune import errors
 from erase_tune._env import env_seconds
 from erase_tune.errors import EraseTuneError
-from erase_tune.store.engine import WRITE_OPTION, _is_sqlite_memory, engine_kwargs, parse_url, redact_url, shown_url
+from erase_tune.store.engine import (
+    PG_CONNECT_TIMEOUT_S,
+    WRITE_OPTION,
+    _is_sqlite_memory,
+    connect_args,
+    engine_kwargs,
+    parse_url,
+    redact_url,
+    shown_url,
+)
 from erase_tune.store.optuna_storage import RetryingStorage
+from erase_tune.store.models import VERSION_TABLE
 from erase_tune.store.repo import Store
 from erase_tune.store.retry import RETRY_ENV, Retrier, StorageLost, cause, retrying
 
@@ -148,7 +158,7 @@ def open_storage(url: str, *, must_exist: bool = False, upgrade: bool = True,
     path = _sqlite_path(parsed)
     if must_exist and path is not None and not _is_file(path):
         raise EraseTuneError(f"storage {shown_url(parsed)}: no database file at {errors.one_line(str(path), 300)}")
-    kwargs = engine_kwargs(parsed)
+    kwargs = engine_kwargs(parsed, wal=upgrade)  # a reader changes nothing, not the journal mode either
     # Another process opening the same SQLite file at this moment (a second driver, status, the
     # dashboard: Optuna creates its tables when it opens a storage) can make set-up's deferred
     # transactions fail at once with "database is locked" instead of waiting, or find a table the
@@ -161,41 +171,65 @@ def open_storage(url: str, *, must_exist: bool = False, upgrade: bool = True,
             rdb, store = _open_once(url, parsed, kwargs, upgrade, heartbeat_interval, grace_period,
                                     existing=must_exist or not upgrade)
             break
-        except EraseTuneError:
-            raise
         except Exception as e:  # noqa: BLE001 - any driver/connection error becomes one line
-            why = errors.one_line(cause(e, parsed), 300)
-            racing = "database is locked" in why or "already exists" in why  # its tables, made beside ours
+            ours = isinstance(e, EraseTuneError)  # our refusals; and a migration that met a locked file
+            why = errors.one_line(str(e) if ours else cause(e, parsed), 300)
+            racing = "database is locked" in why or not ours and "already exists" in why  # its tables, beside ours
+            if ours and not racing:
+                raise
             if racing and time.monotonic() + delay < deadline:
                 if delay == 0.2:  # the first wait: say what for, how long, how to stop
-                    log.info(f"storage {shown}: another process is setting it up ({why[:80]}); waiting up to "
+                    reason = "database is locked" if "database is locked" in why else why[:80]
+                    log.info(f"storage {shown}: another process is setting it up ({reason}); waiting up to "
                              f"{deadline - time.monotonic():.0f}s (${RETRY_ENV}): Ctrl-C stops")
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
                 continue
-            raise EraseTuneError(f"storage {shown_url(parsed)}: cannot open: {why}") from None
+            if ours:
+                raise
+            raise EraseTuneError(f"storage {shown_url(parsed)}: cannot open: {why}{_timeout_hint(why, parsed)}") \
+                from None
     return Storage(url=shown, optuna=RetryingStorage(rdb, store.retry), store=store, parsed=parsed)
 
 
 def reach_storage(url: str) -> None:
     """Check that a database server answers, before anything else starts (a local Ray, trial
     workers, a wait for GPUs of up to ``--gpu-wait``): a host typo or a wrong password is then
-    one line at once, not after minutes. Nothing is created or changed. A SQLite file is left
-    to :func:`open_storage` (its checks are about the path, and opening it may create it)."""
+    one line at once, not after minutes; so is a database of another application
+    (:func:`_check_tables`). Nothing is created or changed: a SQLite file that is not there is
+    left to :func:`open_storage` (its checks are about the path, and opening it may create it)."""
     parsed = parse_url(url)
+    engine = None
     if parsed.get_backend_name() == "sqlite":
-        return
-    from erase_tune.store.engine import build_engine
+        path = _sqlite_path(parsed)
+        if path is None or not _is_file(path):
+            return
+    else:
+        from erase_tune.store.engine import build_engine
 
-    engine = build_engine(parsed)
+        engine = build_engine(parsed)
     try:
-        with engine.connect():
-            pass
-    except Exception as e:  # noqa: BLE001 - any driver/connection error becomes one line
-        raise EraseTuneError(f"storage {shown_url(parsed)}: cannot open: {errors.one_line(cause(e, parsed), 300)}") \
-            from None
+        if engine is not None:
+            with engine.connect():
+                pass
+        _check_tables(parsed, reader=False)
+    except EraseTuneError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any driver/connection error, a file that is no database: one line
+        why = errors.one_line(cause(e, parsed), 300)
+        raise EraseTuneError(f"storage {shown_url(parsed)}: cannot open: {why}{_timeout_hint(why, parsed)}") from None
     finally:
-        engine.dispose()
+        if engine is not None:
+            engine.dispose()
+
+
+def _timeout_hint(why: str, parsed: URL) -> str:
+    """What a connect that timed out means (something answers there, and not as PostgreSQL),
+    and how to wait longer for a slow server."""
+    if "timeout expired" not in why or "connect_timeout" in parsed.query:
+        return ""
+    return (f" (no PostgreSQL answer within {PG_CONNECT_TIMEOUT_S} s: is it PostgreSQL at that port? A slow server: "
+            "add ?connect_timeout=SECONDS to the URL)")
 
 
 def _open_once(url: str, parsed: URL, kwargs: dict, upgrade: bool, heartbeat_interval: int | None,
@@ -207,8 +241,9 @@ def _open_once(url: str, parsed: URL, kwargs: dict, upgrade: bool, heartbeat_int
             from erase_tune.store.engine import build_engine
 
             setup_engine = build_engine(parsed)
-        if existing:  # a reader, or export: a storage of studies, never one set up here
-            _check_readable(parsed)
+        # A reader, or export: a storage of studies, never one set up here; a writer: never a
+        # database of another application.
+        _check_tables(parsed, reader=existing)
         with _lock(parsed, setup_engine, "schema") if upgrade else contextlib.nullcontext():
             rdb = optuna.storages.RDBStorage(url, engine_kwargs=kwargs, heartbeat_interval=heartbeat_interval,
                                              grace_period=grace_period)
@@ -234,24 +269,50 @@ OPTUNA_TABLES = frozenset({"studies", "trials", "version_info"})
 """Tables every Optuna storage holds: a database without them is no study storage."""
 
 
-def _check_readable(parsed: URL) -> None:
-    """A reader (``upgrade=False``: status, report, dashboard, ``db current``) or a command that
-    needs a study there already (``must_exist``: export) opens only a database that holds
-    Optuna's tables. Optuna's ``RDBStorage`` creates its tables and stamps
-    its version in whatever database it is given, and our SQLite engine turns WAL on: both
-    would change a file that is not ours. So the tables are listed first on a plain engine
-    (no WAL, nothing written); none there is one line, and the file is left byte for byte."""
+def _optuna_tables() -> frozenset[str]:
+    """Every table of this Optuna's schema (its RDBStorage creates those missing when it opens a
+    storage: a reader must find them all)."""
+    try:
+        from optuna.storages._rdb import models  # the schema has no public name
+    except ImportError:  # pragma: no cover - another Optuna layout: the core tables only
+        return OPTUNA_TABLES
+    return frozenset(models.BaseModel.metadata.tables)
+
+
+def _check_tables(parsed: URL, *, reader: bool) -> None:
+    """Refuse, before anything is written, a database that is not an erase-tune storage.
+
+    Optuna's ``RDBStorage`` creates its tables and stamps its version in whatever database it is
+    given, and our SQLite engine turns WAL on: both would change a file that is not ours. So
+    the tables are listed first on a plain engine (no WAL, nothing written). A reader (status,
+    report, dashboard, ``db current``; export, which needs a study there) opens only a database
+    that holds every table of Optuna's schema; a writer (``db upgrade``, ``start``) may set up an
+    empty one, or one that is already a storage, never one that holds only another
+    application's tables. A refusal is one line, and the database is left byte for byte."""
     if _is_sqlite_memory(parsed):
         return
-    engine = create_engine(parsed, poolclass=NullPool)
+    engine = create_engine(parsed, poolclass=NullPool, connect_args=connect_args(parsed))
     try:
         tables = set(inspect(engine).get_table_names())
     finally:
         engine.dispose()
-    if not OPTUNA_TABLES <= tables:
+    shown = shown_url(parsed)
+    if reader and not OPTUNA_TABLES <= tables:
         what = "an empty database" if not tables else f"a database of {len(tables)} other tables"
-        raise EraseTuneError(f"storage {shown_url(parsed)} is not an erase-tune storage ({what}, no Optuna "
-                             "study tables); nothing was changed")
+        raise EraseTuneError(f"storage {shown} is not an erase-tune storage ({what}, no Optuna study tables); "
+                             "nothing was changed")
+    missing = sorted(_optuna_tables() - tables)
+    if reader and missing:
+        raise EraseTuneError(f"storage {shown} lacks Optuna's table(s) {', '.join(missing)} (dropped?), which reading "
+                             f"it would create; nothing was changed (`erase-tune db upgrade --storage {shown}` makes "
+                             "them again, empty)")
+    ours = tables & (_optuna_tables() | OPTUNA_TABLES | {VERSION_TABLE}) or {t for t in tables if t.startswith("et_")}
+    if not reader and tables and not ours:
+        listed = ", ".join(sorted(tables)[:3]) + (", …" if len(tables) > 3 else "")
+        count = f"{len(tables)} table{'s' if len(tables) > 1 else ''}"
+        raise EraseTuneError(f"storage {shown} is a database of another application ({count}: "
+                             f"{errors.one_line(listed, 120)}; none of Optuna's or erase-tune's): give erase-tune a "
+                             "database of its own; nothing was changed")
 
 
 def _is_file(path: Path) -> bool:
@@ -280,7 +341,8 @@ def _lock(url: URL, engine: Engine | None, name: str,
         def take() -> Connection:
             conn = engine.connect()
             try:
-                conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": key})
+                _wait_for_lock(lambda: bool(conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": key}).scalar()),
+                               url, name, "a PostgreSQL advisory lock")
                 conn.commit()
             except BaseException:
                 conn.invalidate()  # closed for good: a lock it may hold ends with its session
@@ -312,10 +374,46 @@ def _lock(url: URL, engine: Engine | None, name: str,
     try:
         # Threads of one process share an flock: serialise them first.
         with _LOCAL_LOCKS.setdefault(f"{lock_file}:{name}", threading.Lock()):
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            _wait_for_lock(lambda: _try_flock(fd), url, name, f"the file {errors.one_line(str(lock_file), 300)}")
             try:
                 yield
             finally:
                 fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)
+
+
+def _try_flock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+LOCK_SAID_S = 1.0
+"""A lock still not taken after this long is said to be waited for (one line, within 2 s)."""
+
+
+def _wait_for_lock(try_take: Callable[[], bool], url: URL, name: str, held_as: str) -> None:
+    """Take a lock another process may hold (another driver setting up the storage, or one
+    stopped while it held it): said after :data:`LOCK_SAID_S`, given up after the storage's
+    retry window (``$ERASE_TUNE_STORAGE_RETRY_S``) as :class:`StorageLost`, never a silent wait
+    for good."""
+    if try_take():
+        return
+    began = time.monotonic()
+    budget = env_seconds(RETRY_ENV, 60.0)
+    said = False
+    delay = 0.02
+    while not try_take():
+        waited = time.monotonic() - began
+        if waited >= budget:
+            raise StorageLost(f"storage {shown_url(url)}: another process has held its lock {name!r} ({held_as}) for "
+                              f"{waited:.0f}s (${RETRY_ENV}): is another erase-tune stuck, or stopped with Ctrl-Z?")
+        if not said and waited >= LOCK_SAID_S:
+            log.warning(f"storage {shown_url(url)}: another process holds its lock {name!r} ({held_as}); waiting up to "
+                        f"{budget:.0f}s (${RETRY_ENV}): Ctrl-C stops")
+            said = True
+        time.sleep(min(delay, max(0.0, budget - waited)))
+        delay = min(delay * 2, 0.25)

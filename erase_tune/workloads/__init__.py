@@ -243,16 +243,14 @@ def _resolved(factory: Callable[..., Any], args: Mapping[str, Any]) -> dict[str,
 
 def workload_args(pairs: Iterable[str]) -> dict[str, Any]:
     """``--arg KEY=VALUE`` pairs as a workload's arguments: each value read as YAML (``4096`` an
-    int, ``1e-3`` a float, ``512-256-128`` a string), kept as text where YAML cannot read it."""
-    import yaml
+    int, ``1e-3`` a float, ``512-256-128`` a string), kept as text where YAML cannot read it; bounded
+    as a YAML file is (:func:`erase_tune._files.load_arg`)."""
+    from erase_tune._files import load_arg
 
     args: dict[str, Any] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise EraseTuneError(f"--arg: {pair!r} is not KEY=VALUE")
-        try:
-            args[key] = yaml.safe_load(value) if value else ""
-        except (yaml.YAMLError, ValueError, RecursionError):
-            args[key] = value
+            raise EraseTuneError(f"--arg: {shown(pair)} is not KEY=VALUE")
+        args[key] = load_arg(value, f"--arg {key}", WorkloadError) if value else ""
     return args

@@ -44,7 +44,10 @@ def _parse_line(line: str, rows: int, where: str) -> tuple[float, list[float], l
         except ValueError:
             raise WorkloadError(f"{where}: integer feature I{i} is not an integer: {shown(text)}") from None
         # Counts are heavy-tailed; log1p is the usual Criteo transform (negatives are noise).
-        dense.append(math.log1p(max(value, 0)))
+        try:
+            dense.append(math.log1p(max(value, 0)))
+        except OverflowError:  # past float's range (a 400-digit count): no count is that large
+            raise WorkloadError(f"{where}: integer feature I{i} is too large for a count: {shown(value)}") from None
     sparse = [zlib.crc32(text.encode()) % rows if text else 0 for text in fields[1 + NUM_DENSE :]]
     return float(fields[0]), dense, sparse
 

@@ -237,3 +237,16 @@ def test_overlap_matches_brute_force_on_random_integer_kernels():
         main = {t for k in intervals if k.stream == 7 for t in range(int(k.start_us), int(k.end_us))}
         side = {t for k in intervals if k.stream != 7 for t in range(int(k.start_us), int(k.end_us))}
         assert (r.main_busy_us, r.side_busy_us, r.overlapped_us) == (len(main), len(side), len(main & side))
+
+
+def test_a_trace_the_profiler_could_not_write_is_one_line(tmp_path, monkeypatch):
+    """torch's profiler reports a failed write on stderr and returns (a full disk under bench
+    --trace, "Failed to write to log file!"): reading it back was a FileNotFoundError traceback."""
+    from erase_tune.errors import EraseTuneError
+
+    monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace", lambda self, path: None)  # wrote nothing
+    x = torch.randn(8, 8)
+    path = tmp_path / "trace.json"
+    with pytest.raises(EraseTuneError, match=r"cannot write the trace .*trace\.json \(.*a full disk\?\)") as info:
+        profile_steps(lambda i: x @ x, steps=1, start_step=0, trace_path=path)
+    assert "\n" not in str(info.value)

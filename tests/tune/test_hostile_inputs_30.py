@@ -281,3 +281,39 @@ def test_a_shipped_directory_with_white_space_after_it_is_refused_visibly(tmp_pa
                    "--ray-address", "127.0.0.1:1", flag, given) == 2
     one_error_line(capsys.readouterr().err, repr(given), "does not exist")  # quoted: the space shows
     assert not db.exists()
+
+
+@pytest.mark.parametrize("query", ["?mode=ro", "?mode=rw", "?mode=ro&uri=true", "?immutable=1", "?cache=shared",
+                                   "?timeout=0"])
+def test_sqlite_options_in_a_storage_url_are_refused(study, capsys, query):
+    """pysqlite ignored ?mode=ro without uri=true (db upgrade wrote to the 'read-only' file), and
+    with it read the path as a URI (status called the study's storage an empty database)."""
+    root = study["root"]
+    before = _tree(root)
+    for argv in (["status"], ["db", "current"], ["db", "upgrade"],
+                 ["start", "--space", SMOKE, "--study", "w", "--ray-address", "127.0.0.1:1"]):
+        assert run_cli(*argv, "--storage", study["url"] + query) == 2, argv
+        one_error_line(capsys.readouterr().err, "SQLite options in the URL", f"sqlite:///{root / 's.db'}")
+    assert _tree(root) == before
+
+
+@pytest.mark.parametrize("char", ["\u200b", "\ufeff", "\x1b", "\u202e"])
+def test_a_storage_url_with_an_invisible_character_is_refused(tmp_path, capsys, char):
+    """It named another file: db upgrade made 's.db\\u200b' beside the s.db the user meant."""
+    url = f"sqlite:///{tmp_path / 's.db'}{char}"
+    assert run_cli("db", "upgrade", "--storage", url) == 2
+    one_error_line(capsys.readouterr().err, "invisible or control character", char.encode("unicode_escape").decode())
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "proc"])
+def test_start_with_a_journal_it_cannot_write_is_one_line_before_anything(tmp_path, capsys, monkeypatch, where):
+    """Was: found when the first trial's outcome was journaled, the job ending in a traceback."""
+    (tmp_path / "afile").write_text("")
+    journal = tmp_path / "afile" / "journal" if where == "under-a-file" else Path("/proc/erase-tune-journal")
+    monkeypatch.setenv("ERASE_TUNE_JOURNAL_DIR", str(journal))
+    db = tmp_path / "start.db"
+    assert run_cli("start", "--space", SMOKE, "--study", "j", "--storage", f"sqlite:///{db}",
+                   "--ray-address", "127.0.0.1:1") == 2
+    one_error_line(capsys.readouterr().err, "$ERASE_TUNE_JOURNAL_DIR: cannot write in", str(journal))
+    assert not db.exists()

@@ -61,6 +61,9 @@ def test_hashes_are_in_range_and_max_lines(tmp_path: Path) -> None:
         ("1\t2\t3\n", r"line 3: expected 40 tab-separated fields, got 3"),
         (_line("2", [""] * 13, [""] * 26), r"line 3: label must be 0 or 1, got '2'"),
         (_line("1", ["x1"] + [""] * 12, [""] * 26), r"line 3: integer feature I1 is not an integer: 'x1'"),
+        # 400 digits: an int Python reads, past float's range (was an OverflowError traceback)
+        (_line("1", [""] * 4 + ["9" * 400] + [""] * 8, [""] * 26),
+         r"line 3: integer feature I5 is too large for a count: <an integer of 1329 bits>"),
     ],
 )
 def test_bad_line_names_file_and_line(tmp_path: Path, bad: str, match: str) -> None:

@@ -147,3 +147,41 @@ def test_user_factory_errors(user_module) -> None:
     _raises(r"factory returned list, expected erase_tune.workloads.Workload", f"{mod}:not_a_workload")
     msg = _raises(r"factory failed: RuntimeError: boom second line", f"{mod}:broken")
     assert re.search(rf"^workload '{mod}:broken'", msg)
+
+
+LAUGHS = "[" + ", ".join(["&l0 [x, x, x, x, x, x, x, x, x, x]"] +
+                         [f"&l{i} [{', '.join([f'*l{i - 1}'] * 10)}]" for i in range(1, 9)]) + "]"
+"""A billion laughs in one --arg value: 10^9 strings through 255 bytes of aliases."""
+
+
+@pytest.mark.parametrize(("value", "needle"), [
+    (LAUGHS, "more than 100000 values"),  # was: repr() of 10^9 strings in the type error (minutes, GBs)
+    ("&a [*a]", "nested more than 32 levels deep"),
+    ("[" * 600, "nested more than 32 levels deep"),
+    ("{a: 1, a: 2}", "the key 'a' appears twice"),
+])
+def test_an_arg_value_is_read_within_a_yaml_files_bounds(value: str, needle: str) -> None:
+    import time
+
+    from erase_tune.workloads import workload_args
+
+    t0 = time.monotonic()
+    with pytest.raises(WorkloadError, match=re.escape(f"--arg rows: ") + ".*" + re.escape(needle)) as info:
+        workload_args([f"rows={value}"])
+    assert time.monotonic() - t0 < 2 and len(str(info.value)) < 300
+
+
+def test_arg_values_that_are_not_yaml_stay_text() -> None:
+    from erase_tune.workloads import workload_args
+
+    assert workload_args(["dims=512-256-128", "lr=1e-3", "rows=4096", "x=", "bad=[unclosed", "big=" + "9" * 5000]) == {
+        "dims": "512-256-128", "lr": 1e-3, "rows": 4096, "x": "", "bad": "[unclosed", "big": "9" * 5000}
+
+
+def test_an_arg_without_a_value_shows_a_bounded_line() -> None:
+    from erase_tune.errors import EraseTuneError
+    from erase_tune.workloads import workload_args
+
+    with pytest.raises(EraseTuneError, match="is not KEY=VALUE") as info:
+        workload_args(["x" * 100_000])
+    assert len(str(info.value)) < 200

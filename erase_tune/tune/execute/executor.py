@@ -392,9 +392,44 @@ def _check_reachable(address: str) -> None:
         shown = address if len(address) <= 80 else address[:79] + "…"
         raise EraseTuneError(f"--ray-address: {shown!r} is not auto, host:port or ray://host:port (port 1..65535)")
     try:
-        socket.create_connection((host, int(port)), timeout=5).close()
+        with socket.create_connection((host, int(port)), timeout=5) as conn:
+            answer = _grpc_answer(conn)
     except OSError as e:
         raise EraseTuneError(f"--ray-address: nothing answers at {address} ({e.strerror or e})") from None
+    if answer is not None:
+        raise EraseTuneError(f"--ray-address: something answers at {address}, and it is not Ray ({answer}); Ray "
+                             "would wait for it for minutes: check the host and port")
+
+
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+"""An HTTP/2 client's preface and an empty SETTINGS frame: every gRPC server (Ray's GCS, its
+client server) answers with a SETTINGS frame of its own."""
+PROBE_S = 2.0
+"""How long the head may take to answer the probe."""
+
+
+def _grpc_answer(conn: socket.socket) -> str | None:
+    """None if the peer speaks gRPC's HTTP/2 (as Ray's GCS and client server do), else what it
+    did instead: a port where another service listens would have ray.init retry for minutes,
+    printing its own warnings, with nothing said by us. Not checked where Ray runs over TLS."""
+    if os.environ.get("RAY_USE_TLS", "").strip().lower() in ("1", "true"):
+        return None
+    conn.settimeout(PROBE_S)
+    head = b""
+    try:
+        conn.sendall(_HTTP2_PREFACE)
+        while len(head) < 9:
+            chunk = conn.recv(9 - len(head))
+            if not chunk:
+                return "it closed the connection" if not head else f"it answered {head!r}"
+            head += chunk
+    except TimeoutError:
+        return f"no answer within {PROBE_S:g} s" if not head else f"it answered {head!r} and stopped"
+    except OSError as e:
+        return f"the connection failed: {e.strerror or e}"
+    if head[3] != 0x04:  # an HTTP/2 frame header whose type is SETTINGS
+        return f"it answered {head!r}"
+    return None
 
 
 def _check_fits(ray: Any, address: str | None, ranks: int, use_gpu: bool, wait_s: float) -> None:

@@ -63,7 +63,7 @@ from erase_tune.tune.run.confirm import (
     with_quality,
 )
 from erase_tune.tune.run import check
-from erase_tune.tune.run.journal import Journal
+from erase_tune.tune.run.journal import Journal, check_journal
 from erase_tune.tune.run.loop import HEARTBEAT_S, Loop, LoopBooks, LoopSpace, Progress
 from erase_tune.tune.run.record import Recorder
 from erase_tune.tune.search.space import MAX_TRIALS, SearchSpace
@@ -226,6 +226,7 @@ def start_job(
     name = _study_name(what, space_path)
     url = where.storage if where.storage is not None else default_storage_url()
     reach_storage(url)  # a malformed URL, or a server that does not answer, is refused before Ray starts
+    check_journal()  # and a journal with nowhere to write
     target = what.trials if what.trials is not None else space.trials  # the space file checks its own
     env = runtime_env(where.working_dir or space.workload.working_dir, [*space.workload.py_modules, *where.py_modules])
     driver.import_from(import_dirs(env))  # the driver imports the workload too (to check the space)

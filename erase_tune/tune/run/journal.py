@@ -21,9 +21,10 @@ import tempfile
 from pathlib import Path
 
 from erase_tune._env import env_text
+from erase_tune.errors import EraseTuneError, one_line
 from erase_tune.tune.execute.outcome import TrialOutcome
 
-__all__ = ["JOURNAL_ENV", "Entry", "Journal"]
+__all__ = ["JOURNAL_ENV", "Entry", "Journal", "journal_root", "check_journal"]
 
 JOURNAL_ENV = "ERASE_TUNE_JOURNAL_DIR"
 
@@ -38,11 +39,31 @@ class Entry:
     outcome: TrialOutcome
 
 
+def journal_root() -> Path:
+    """``$ERASE_TUNE_JOURNAL_DIR``, else ``~/.local/state/erase-tune/journal``."""
+    return Path(env_text(JOURNAL_ENV) or Path.home() / ".local" / "state" / "erase-tune" / "journal")
+
+
+def check_journal() -> None:
+    """The journal must be writable, which a job checks when it starts: a trial's outcome that
+    has nowhere to go ended the job in a traceback once the trial was measured."""
+    root = journal_root()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=root, prefix=".tmp-")
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        raise EraseTuneError(f"${JOURNAL_ENV}: cannot write in {one_line(str(root), 200)} ({e.strerror or e}): a job "
+                             "keeps there the outcomes its storage could not take; point it at a writable "
+                             "directory") from None
+
+
 class Journal:
     """The journal of one study on one storage (``storage`` is the redacted URL)."""
 
     def __init__(self, storage: str, study: str) -> None:
-        root = Path(env_text(JOURNAL_ENV) or Path.home() / ".local" / "state" / "erase-tune" / "journal")
+        root = journal_root()
         digest = hashlib.sha256(f"{storage}\n{study}".encode()).hexdigest()[:16]
         self.dir = root / digest
 

@@ -39,6 +39,7 @@ from optuna.storages import fail_stale_trials
 from optuna.trial import FrozenTrial, TrialState
 
 from erase_tune._signals import signals_deferred
+from erase_tune.errors import EraseTuneError, one_line, shown
 from erase_tune.runtime import ErasePlan
 from erase_tune.store.storage import Storage, StorageLost
 from erase_tune.measure.trial import BASELINE
@@ -68,6 +69,11 @@ One failure can be its plan's own (a plan that runs out of memory); three differ
 failing alike say the workload or the cluster is at fault, and every later trial would fail
 the same way (seen: 12 of 12 trials, 5.5 minutes, lost to one capture error). A failure that
 names the baseline stops the job at once: every trial runs the same baseline."""
+
+
+_OTHER_CHOICES = re.compile("dynamic value space|different distribution kind")
+"""Optuna's words when a trial suggests a parameter with other choices than the study's earlier
+trials had (a job resumed with a space whose modes, candidates or ranges changed)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -236,7 +242,14 @@ class Loop:
         """Turn an asked trial into a plan: a new one to run, or a repeat answered at once.
         Every write here is idempotent, so the storage's retry after a lost connection repeats it safely."""
         self.storage.heartbeat(self.recorder.trial_id(trial.number))
-        plan = self.checked.plan(trial)
+        try:
+            plan = self.checked.plan(trial)
+        except ValueError as e:  # Optuna's: a parameter the study was tuned over with other choices
+            if isinstance(e, EraseTuneError) or not _OTHER_CHOICES.search(str(e)):
+                raise
+            raise EraseTuneError(f"{self.space.source}: offers other choices for a parameter than study "
+                                 f"{shown(self.study.study_name)} was tuned over (Optuna: {one_line(e, 120)}): resume "
+                                 "it with the space it was started with, or use another study name") from None
         key = plan.dumps()
         trials = self.study.get_trials(deepcopy=False)
         earlier = next((t for t in trials if t.user_attrs.get(Attr.PLAN_KEY) == key

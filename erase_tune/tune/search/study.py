@@ -25,6 +25,7 @@ from erase_tune.store.storage import CONSTRAINTS, Storage
 
 __all__ = ["METRIC_NAMES", "DIRECTIONS", "CONSTRAINTS", "Attr", "SAMPLERS", "make_sampler", "open_study", "load_study",
            "metric_attrs", "objective_values", "flat_attrs", "attr", "FrontPoint", "pareto_front", "measured",
+           "check_stored_attrs",
            "noise_band", "constraint", "finalists"]
 
 METRIC_NAMES = ("qps_gain", "ne_gap")
@@ -259,4 +260,60 @@ def load_study(db: Storage, study_name: str | None) -> optuna.Study:
         got = ", ".join(d.name.lower() for d in study.directions)
         raise EraseTuneError(f"study {shown(study_name)} is not an erase-tune job: its objectives are ({got}), "
                              "not (maximize qps_gain, minimize ne_gap)")
+    check_stored_attrs(study)
     return study
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+_KINDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "number": ("a number", _is_number),
+    "integer": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    "text": ("text", lambda v: isinstance(v, str)),
+    "flag": ("true or false", lambda v: isinstance(v, bool)),
+    "mapping": ("a mapping", lambda v: isinstance(v, dict)),
+    "workload": ("a mapping with a name", lambda v: isinstance(v, dict) and isinstance(v.get("name"), str)
+                 and isinstance(v.get("args", {}), dict)),
+    "noise floor": ("a noise floor with a numeric band", lambda v: isinstance(v, dict) and _is_number(v.get("band"))
+                    and all(_is_number(g) for g in v.get("gaps") or ()) and isinstance(v.get("kinds", []), list)),
+    "baseline": ("eager or graph", lambda v: v in ("eager", "graph")),
+}
+_STUDY_ATTRS = {Attr.MAX_NE_GAP: "number", Attr.GAIN_OVER: "baseline", Attr.WORKLOAD: "workload",
+                Attr.NOISE_FLOOR: "noise floor", Attr.NOISE_BAND: "number", Attr.STEP_COST: "mapping",
+                Attr.REFERENCE_ERROR: "text", Attr.DRIVERS: "integer"}
+_TRIAL_ATTRS = {Attr.PLAN: "mapping", Attr.PLAN_KEY: "text", Attr.PLAN_SUMMARY: "text", Attr.SEED_NAME: "text",
+                Attr.DUPLICATE_OF: "integer", Attr.FAILURE_KIND: "text", Attr.FAILURE: "text", Attr.ATTEMPTS: "integer",
+                Attr.DEVICE: "text", Attr.NODE: "text", Attr.DURATION: "number", Attr.MAX_NE_GAP: "number",
+                Attr.FEASIBLE: "flag", Attr.EXACT: "flag", Attr.PHASE: "text", Attr.SCREEN_NAME: "text",
+                **{k: "number" for k in ("gain_vs_eager", "gain_vs_graph", "gain_lo", "gain_hi", "windows", "gain_p90",
+                                         "gain_median", "gain_detach_only", "exact_diff", "ne_baseline",
+                                         "ne_candidate", "ne_gap")}}
+
+
+def _trial_kind(key: str) -> str | None:
+    if key in _TRIAL_ATTRS:
+        return _TRIAL_ATTRS[key]
+    return "number" if key.endswith("_qps") or key.startswith("ne_gap.") else None
+
+
+def check_stored_attrs(study: optuna.Study) -> None:
+    """Every attribute erase-tune reads back, of the kind it wrote (a value edited by hand, or
+    written by another program, would end status, export or report in a traceback); None
+    stands for a number that was not finite. Unknown keys are left alone."""
+    name = shown(study.study_name)
+
+    def check(where: str, key: str, value: Any, kind: str | None) -> None:
+        if kind is None or value is None:
+            return
+        what, ok = _KINDS[kind]
+        if not ok(value):
+            raise EraseTuneError(f"study {name}: {where}stored attribute {shown(key)} is {shown(value)}, not {what} "
+                                 "(damaged?); nothing was changed")
+
+    for key, value in study.user_attrs.items():
+        check("its ", key, value, _STUDY_ATTRS.get(key))
+    for t in study.get_trials(deepcopy=False):
+        for key, value in t.user_attrs.items():
+            check(f"trial {t.number}'s ", key, value, _trial_kind(key))

@@ -30,7 +30,7 @@ from erase_tune._files import check_output, write_atomic
 from erase_tune.errors import EraseTuneError, one_line, shown
 from erase_tune.runtime import ErasePlan
 from erase_tune.store import Confirmation, QualityConfirmation, default_storage_url
-from erase_tune.store.storage import Storage, open_storage
+from erase_tune.store.storage import Storage, StorageLost, open_storage
 from erase_tune.tune.search.space import MAX_NE_GAP, SearchSpace
 from erase_tune.measure.confirm import MAX_CONFIRM_WINDOWS
 from erase_tune.tune.run.confirm import (
@@ -113,7 +113,10 @@ def export_plan(storage: str | None, study_name: str, out: str | Path, *, max_ne
         plan = dataclasses.replace(ErasePlan.from_dict(point.plan), provenance=prov)
         _write_atomic(target, plan.dumps(), storage)
         if job is not None:
-            db.store.record_export(job, point.number, str(target.resolve()), plan.dumps())
+            try:
+                db.store.record_export(job, point.number, str(target.resolve()), plan.dumps())
+            except StorageLost as e:  # the plan is written: the one line must not read as if nothing were
+                raise StorageLost(f"wrote {one_line(str(target), 300)}, but did not record the export: {e}") from None
         return Exported(plan=plan, point=point, confirmation=conf, confirmations=confirmed)
     finally:
         db.close()
