@@ -31,14 +31,16 @@ SLOWEST_FIRST = (
     "tests/tune/test_early_stop.py", "tests/tune/test_ray_cluster.py", "tests/tune/test_cli_errors.py",
     "tests/tune/test_workloads_doc.py", "tests/tune/test_faults.py", "tests/tune/test_record_race.py",
 )
-"""Test files of a minute or more on two cores, longest first. `make test` hands whole files to
-parallel workers in collection order (pytest-xdist's loadfile): these go first so that no long
-file starts last and leaves the others idle. A stale entry costs time, never a result."""
+"""Test files of a minute or more on two cores, longest first. Under pytest-xdist (``-n 4 --dist
+loadfile --no-loadscope-reorder``) whole files go to the workers in collection order: these go
+first so that no long file starts last and leaves the others idle. A stale entry costs time,
+never a result. One process keeps the files' own order."""
 
 
 def pytest_collection_modifyitems(config, items):
-    rank = {path: i for i, path in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        rank = {path: i for i, path in enumerate(SLOWEST_FIRST)}
+        items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable
     if os.environ.get("ERASE_TUNE_LOAD_TESTS") != "1":
         load = pytest.mark.skip(reason="a load test of minutes: run with ERASE_TUNE_LOAD_TESTS=1")
         for item in items:
