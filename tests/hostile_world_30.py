@@ -213,27 +213,12 @@ class World:
         self.closed_port = free_port()
 
     def _job_and_confirmations(self, url: str, name: str) -> None:
-        import optuna
-
-        from erase_tune.runtime import ErasePlan
-        from erase_tune.store import ConfirmationRecord, QualityRecord
         from erase_tune.store.storage import open_storage
-        from tests.tune.studies import FRONT
+        from tests.tune.studies import confirm_front
 
         db = open_storage(url)
         try:
-            job = db.store.create_job(study_name=name, space_path=str(self.space), space_yaml=TINY_SPACE,
-                                      workload="ctr", n_trials_target=18)
-            db.store.set_job_status(name, "finished")
-            study = optuna.load_study(study_name=name, storage=db.optuna)
-            for n in FRONT:
-                plan = ErasePlan.from_dict(study.trials[n].user_attrs["plan"])
-                db.store.record_confirmation(job, n, ConfirmationRecord(
-                    plan_yaml=plan.dumps(), gain_over="eager", windows=5, gain=0.1, gain_lo=0.05, gain_hi=0.15,
-                    samples={}, provenance={}))
-                db.store.record_quality(job, n, QualityRecord(
-                    plan_yaml=plan.dumps(), steps=100, seeds=3, ne_gap=0.001, ne_gap_lo=-0.002, ne_gap_hi=0.004,
-                    per_seed=[0.0, 0.001, 0.002], exact=not plan.cuts, band=0.002, provenance={}))
+            confirm_front(db, name, str(self.space), TINY_SPACE)
         finally:
             db.close()
 

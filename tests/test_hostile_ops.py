@@ -48,7 +48,6 @@ from hypothesis import strategies as st
 from erase_tune.cli import main
 from erase_tune.errors import EraseTuneError
 from erase_tune.runtime import ErasePlan
-from erase_tune.store import ConfirmationRecord, QualityRecord
 from erase_tune.tune.search.space import SearchSpace
 from tests.test_hostile import SPACE, Bounds, _Hung, _say, one_line, profile
 
@@ -169,27 +168,14 @@ class OutputWorld:
 
     def _confirm(self) -> None:
         """Confirmations for the front, so export writes without Ray."""
-        import optuna
-
         from erase_tune.store.storage import open_storage
-        from tests.tune.studies import FRONT
+        from tests.tune.studies import confirm_front
 
         db = open_storage(self.url)
         try:
             space = self.root / "space.yaml"
             space.write_text(SPACE + "trials: 1\ndevice: cpu\n")
-            job = db.store.create_job(study_name=self.study, space_path=str(space), space_yaml=space.read_text(),
-                                      workload="ctr", n_trials_target=18)
-            db.store.set_job_status(self.study, "finished")
-            study = optuna.load_study(study_name=self.study, storage=db.optuna)
-            for n in FRONT:
-                plan = ErasePlan.from_dict(study.trials[n].user_attrs["plan"])
-                db.store.record_confirmation(job, n, ConfirmationRecord(
-                    plan_yaml=plan.dumps(), gain_over="eager", windows=5, gain=0.1, gain_lo=0.05, gain_hi=0.15,
-                    samples={}, provenance={}))
-                db.store.record_quality(job, n, QualityRecord(
-                    plan_yaml=plan.dumps(), steps=100, seeds=3, ne_gap=0.001, ne_gap_lo=-0.002, ne_gap_hi=0.004,
-                    per_seed=[0.0, 0.001, 0.002], exact=not plan.cuts, band=0.002, provenance={}))
+            confirm_front(db, self.study, str(space), space.read_text())
         finally:
             db.close()
 

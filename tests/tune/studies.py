@@ -25,7 +25,7 @@ from optuna.trial import TrialState
 
 from erase_tune.runtime import ErasePlan
 
-__all__ = ["STUDY_NAME", "MAX_NE_GAP", "FRONT", "MEASURED", "write_finished_study"]
+__all__ = ["STUDY_NAME", "MAX_NE_GAP", "FRONT", "MEASURED", "write_finished_study", "confirm_front"]
 
 STUDY_NAME = "finished"
 MAX_NE_GAP = 0.02
@@ -173,3 +173,22 @@ def write_finished_study(path: Path, *, gain_over: str = "graph", study_name: st
             state=TrialState.COMPLETE, values=values, params=params, distributions=dists, user_attrs=attrs,
             system_attrs={"constraints": [slack]}, constraints={"ne_gap": slack}))
     return url
+
+
+def confirm_front(db: Any, study_name: str, space_path: str, space_yaml: str) -> None:
+    """A finished job for the study written by :func:`write_finished_study`, with a speed and a
+    quality confirmation for each plan of :data:`FRONT` (so export writes without Ray)."""
+    from erase_tune.store import ConfirmationRecord, QualityRecord
+
+    job = db.store.create_job(study_name=study_name, space_path=space_path, space_yaml=space_yaml,
+                              workload="ctr", n_trials_target=18)
+    db.store.set_job_status(study_name, "finished")
+    study = optuna.load_study(study_name=study_name, storage=db.optuna)
+    for n in FRONT:
+        plan = ErasePlan.from_dict(study.trials[n].user_attrs["plan"])
+        db.store.record_confirmation(job, n, ConfirmationRecord(
+            plan_yaml=plan.dumps(), gain_over="eager", windows=5, gain=0.1, gain_lo=0.05, gain_hi=0.15,
+            samples={}, provenance={}))
+        db.store.record_quality(job, n, QualityRecord(
+            plan_yaml=plan.dumps(), steps=100, seeds=3, ne_gap=0.001, ne_gap_lo=-0.002, ne_gap_hi=0.004,
+            per_seed=[0.0, 0.001, 0.002], exact=not plan.cuts, band=0.002, provenance={}))
