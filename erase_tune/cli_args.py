@@ -109,7 +109,7 @@ def _ray(p: argparse.ArgumentParser) -> None:
 def _quality(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quality-scale", type=int, metavar="N",
                    help="quality confirmation trains finalists N times a trial's steps (default: the space's "
-                        "budget.quality_scale, 4 unless set; 0: no quality confirmation)")
+                        "budget.quality_scale, 1 unless set; 0: no quality confirmation)")
     p.add_argument("--quality-seeds", type=int, metavar="N",
                    help="data orders of the quality confirmation (default: the space's budget.quality_seeds, 3)")
 

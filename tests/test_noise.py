@@ -3,6 +3,7 @@ bf16 transformer with rotary attention and value embeddings."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -15,9 +16,11 @@ from erase_tune.measure.noise import (
     QualitySettings,
     TrainStart,
     confirm_quality,
+    data_order,
     exact_by_construction,
     feasible,
     measure_noise_floor,
+    quality_trainings,
     train_ne,
 )
 from erase_tune.runtime import Graphed, Placement
@@ -93,6 +96,44 @@ def test_quality_confirmation_trains_longer_over_seeds(workload):
     exact = res.plans["exact"]
     assert exact.exact and exact.ne_gap == 0 and (exact.lo, exact.hi) == (-0.01, 0.01) and exact.per_seed == ()
     assert not exact.above_budget(0.0) and cut.above_budget(cut.ne_gap - 1.0) and not cut.above_budget(cut.ne_gap)
+
+
+def test_quality_at_the_trials_length_reuses_the_noise_floors_baseline_and_never_the_trials_order(workload):
+    """At scale 1 the confirmation's orders are the noise floor's, so the baseline's trainings
+    on them are the floor's: the baseline NEs it reports are the floor's, bit for bit, and the
+    same confirmation without the floor trains the baseline to the same values (CPU: deterministic).
+    None of its orders is the trial's own, on which the plan was chosen."""
+    plans = {"cut": ErasePlan(cuts=(Cut(module="blocks.1.mlp", aux_weight=1.0),))}
+    floor = measure_noise_floor(workload, BUDGET, repeats=2, device="cpu")
+    assert sorted(floor.baseline_ne) == [data_order(BUDGET, 1), data_order(BUDGET, 2)]
+    assert NoiseFloor.from_dict(floor.to_dict()) == floor  # the orders survive JSON (string keys)
+    settings = QualitySettings(scale=1, seeds=3)
+    reused = confirm_quality(workload, plans, budget=BUDGET, device="cpu",
+                             settings=dataclasses.replace(settings, floor=floor))
+    fresh = confirm_quality(workload, plans, budget=BUDGET, settings=settings, device="cpu")
+    assert reused.seeds == fresh.seeds == tuple(data_order(BUDGET, k) for k in (1, 2, 3))
+    assert reused.ne_baseline[:2] == tuple(floor.baseline_ne[o] for o in reused.seeds[:2])
+    assert reused.ne_baseline == fresh.ne_baseline and reused.plans == fresh.plans
+    assert reused.provenance["baseline_from_noise_floor"] == list(reused.seeds[:2])
+    assert fresh.provenance["baseline_from_noise_floor"] == []
+    # The reused values are really what the gaps are taken against (a floor that says otherwise moves them) ...
+    told = dataclasses.replace(floor, baseline_ne={o: 2 * ne for o, ne in floor.baseline_ne.items()})
+    moved = confirm_quality(workload, plans, budget=BUDGET, device="cpu",
+                            settings=dataclasses.replace(settings, floor=told))
+    assert moved.ne_baseline[:2] == tuple(2 * floor.baseline_ne[o] for o in moved.seeds[:2])
+    assert moved.plans["cut"].per_seed[:2] != reused.plans["cut"].per_seed[:2]
+    # ... and a floor of another length, or from another card, is not reused.
+    for other in (dataclasses.replace(told, training_steps=BUDGET.training_steps + 1),
+                  dataclasses.replace(told, provenance={**told.provenance, "device_name": "another card"})):
+        again = confirm_quality(workload, plans, budget=BUDGET, device="cpu",
+                                settings=dataclasses.replace(settings, floor=other))
+        assert again.ne_baseline == fresh.ne_baseline and again.provenance["baseline_from_noise_floor"] == []
+    # What a job's estimate counts: one training per plan and seed, and the baseline's orders the floor lacks.
+    budget = dataclasses.replace(BUDGET, noise_repeats=2, quality_scale=1, quality_seeds=3)
+    assert quality_trainings(1, budget, floor=True) == 1 * 3 + 1
+    assert quality_trainings(1, budget, floor=False) == 2 * 3
+    assert quality_trainings(1, dataclasses.replace(budget, quality_scale=2), floor=True) == 2 * 3
+    assert quality_trainings(0, budget, floor=True) == 0
 
 
 def test_the_trial_command_measures_the_noise_floor_when_asked(tmp_path, capsys):

@@ -310,6 +310,14 @@ SUITE_LIST: list[Suite] = [
           seq(_study("dlrm_study", 380, "0", "search_spaces/dlrm.yaml", "dlrm", "dlrm.db", "--time-budget", "6m"),
               Step("dlrm_recheck", 200, "0", bench("study_recheck", "--storage", "sqlite:///{work}/dlrm.db",
                                                    "--study", "dlrm")))),
+    Suite("s6", "issue 27's gpt study end to end with the quality confirmation reusing the noise floor's baseline "
+                "(the whole job against its trials' time), then the process-group SIGTERM check (issue 30) on a "
+                "second gpt job stopped by the step's limit mid-trial, and its status",
+          ("00000.4 gpt, the whole job", "00000.5 SIGTERM to the job's process group on the GPU"),
+          seq(_study("gpt_study", 400, "0", "search_spaces/gpt.yaml", "gpt", "gpt.db", "--trials", "12"),
+              _status("gpt_status", 40, "0", "gpt", "gpt.db"),
+              _study("gpt_sigterm", 50, "0", "search_spaces/gpt.yaml", "gpt-term", "term.db", "--trials", "12"),
+              _status("term_status", 40, "0", "gpt-term", "term.db"))),
     Suite("n", "the NE gap's evidence: the noise floor of every shipped space and the rank agreement over 12 plans",
           ("00.2b The noise floor of the NE gap", "00.4 NE rank agreement (issue 17)"),
           seq(Step("ne_evidence", 480, "0", bench("ne_evidence", "--rank-arg", "train_batches=1700")))),
@@ -353,6 +361,11 @@ def describe(suite: Suite, values: dict[str, str]) -> list[str]:
     return lines
 
 
+TERM_GRACE_S = 30
+"""How long a step stopped by its limit has, after SIGTERM to its process group, before SIGKILL
+(a job fails its trials in storage, then gives Ray's clean-up 15 s)."""
+
+
 def _run_step(step: Step, values: dict[str, str], work: Path, env: dict[str, str], summary, lock) -> int:
     log = work / f"{step.name}.log"
     t0 = time.monotonic()
@@ -370,11 +383,15 @@ def _run_step(step: Step, values: dict[str, str], work: Path, env: dict[str, str
                     rc = proc.wait(timeout=step.limit_s)
                 except subprocess.TimeoutExpired:  # as timeout(1): TERM, then KILL; 124
                     os.killpg(proc.pid, signal.SIGTERM)
+                    termed = time.monotonic()
                     try:
-                        proc.wait(timeout=10)
+                        ended = f"exit {proc.wait(timeout=TERM_GRACE_S)}"
                     except subprocess.TimeoutExpired:
                         os.killpg(proc.pid, signal.SIGKILL)
                         proc.wait()
+                        ended = "killed"
+                    err.write(f"\n[suite] limit {step.limit_s}s: SIGTERM to the process group; {ended} "
+                              f"{time.monotonic() - termed:.1f}s later\n".encode())
                     rc = 124
         finally:
             if out is not err:

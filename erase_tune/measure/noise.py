@@ -21,9 +21,13 @@ the whole-step graph) is never judged on its gap at all (:func:`exact_by_constru
 with the trial, which checks it: :func:`erase_tune.measure.trial.run_trial` compares such a plan's
 gradients with the baseline's and, when they agree, does not train it for NE at all).
 
-Quality confirmation (:func:`confirm_quality`) trains finalists longer, over several seeds,
-against the baseline trained the same way (same batches, same dropout masks), and reports each
-NE gap with a 95% interval.
+Quality confirmation (:func:`confirm_quality`) trains finalists over other data orders (seeds),
+``budget.quality_scale`` times a trial's steps, against the baseline trained the same way (same
+batches, same dropout masks), and reports each NE gap with a 95% interval. Its orders are the
+noise floor's (:func:`data_order`) and never the trial's own (the plan was chosen on that one:
+reusing it would confirm the luck that chose it). At the trial's length (scale 1, the default)
+the baseline's trainings on those orders are the noise floor's, so they are not trained again
+(:attr:`NoiseFloor.baseline_ne`): the confirmation costs one training per plan and seed.
 """
 
 from __future__ import annotations
@@ -56,8 +60,9 @@ from erase_tune.measure.trial import (
 )
 from erase_tune.workloads import Workload, WorkloadData
 
-__all__ = ["NoiseFloor", "QualityConfirmation", "QualityResult", "QualitySettings", "TrainStart",
-           "measure_noise_floor", "confirm_quality", "exact_by_construction", "feasible", "train_ne", "MAX_REPEATS"]
+__all__ = ["NoiseFloor", "QualityConfirmation", "QualityResult", "QualitySettings", "TrainStart", "data_order",
+           "measure_noise_floor", "confirm_quality", "quality_trainings", "exact_by_construction", "feasible",
+           "train_ne", "MAX_REPEATS"]
 
 
 def feasible(ne_gap: float, max_ne_gap: float, band: float = 0.0, *, exact: bool = False) -> bool:
@@ -80,6 +85,10 @@ class NoiseFloor:
     training_steps: int
     repeats: int
     provenance: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    baseline_ne: Mapping[int, float] = dataclasses.field(default_factory=dict)
+    """The baseline's held-out NE after ``training_steps`` on each ``order`` perturbation's data
+    order (:func:`data_order`; its dropout masks drawn from the same seed): what a quality
+    confirmation of the same length reuses. Empty for a floor stored before it was kept."""
 
     def __post_init__(self) -> None:
         if len(self.gaps) != len(self.kinds):
@@ -96,6 +105,7 @@ class NoiseFloor:
         """Plain data (a study attribute, a table row, a JSON file)."""
         out = dataclasses.asdict(self)
         out["gaps"], out["kinds"], out["provenance"] = list(self.gaps), list(self.kinds), dict(self.provenance)
+        out["baseline_ne"] = {str(k): v for k, v in self.baseline_ne.items()}  # JSON keys are strings
         return out
 
     @classmethod
@@ -103,7 +113,15 @@ class NoiseFloor:
         return cls(band=float(data["band"]), gaps=tuple(float(g) for g in data["gaps"]),
                    kinds=tuple(str(k) for k in data["kinds"]), ne_reference=float(data["ne_reference"]),
                    training_steps=int(data["training_steps"]), repeats=int(data["repeats"]),
-                   provenance=dict(data.get("provenance") or {}))
+                   provenance=dict(data.get("provenance") or {}),
+                   baseline_ne={int(k): float(v) for k, v in (data.get("baseline_ne") or {}).items()})
+
+
+def data_order(budget: Budget, k: int) -> int:
+    """The seed of the ``k``-th other data order (``k`` >= 1) of ``budget``: its batches' permutation
+    and its dropout masks. The noise floor's ``order`` perturbations and the quality
+    confirmation's seeds are the same orders, so the baseline trained on one serves both."""
+    return budget.seed * 1000 + k
 
 
 def _order(steps: int, pool: int, seed: int | None) -> list[int]:
@@ -188,9 +206,10 @@ def measure_noise_floor(workload: Workload, budget: Budget = Budget(), *, repeat
     try:
         reference = train_ne(start, base, steps, random_seed=budget.seed, check=True)
         gaps, kinds = [], []
+        baseline_ne: dict[int, float] = {}
         for r in range(repeats):  # another order of the batches, and other dropout masks
-            seed = budget.seed * 1000 + r + 1
-            ne = train_ne(start, base, steps, order_seed=seed, random_seed=seed)
+            seed = data_order(budget, r + 1)
+            ne = baseline_ne[seed] = train_ne(start, base, steps, order_seed=seed, random_seed=seed)
             gaps.append((ne - reference) / reference)
             kinds.append("order")
         if graph:
@@ -202,7 +221,7 @@ def measure_noise_floor(workload: Workload, budget: Budget = Budget(), *, repeat
     _, world = ranks_of(process_group)
     return NoiseFloor(
         band=max(abs(g) for g in gaps), gaps=tuple(gaps), kinds=tuple(kinds), ne_reference=reference,
-        training_steps=steps, repeats=repeats,
+        training_steps=steps, repeats=repeats, baseline_ne=baseline_ne,
         provenance=provenance(device, workload=workload.name, workload_args=jsonable_args(workload.args),
                               budget=dataclasses.asdict(budget), training_steps=steps, repeats=repeats, ranks=world,
                               graph_left_out=graph_error, duration_s=round(time.perf_counter() - started, 3)),
@@ -243,12 +262,43 @@ class QualityResult:
 class QualitySettings:
     """How long and how often :func:`confirm_quality` trains, and the band an exact plan's gap gets."""
 
-    scale: int = 4
+    scale: int = 1
     """Each training is this many times the trial's training steps."""
     seeds: int = 3
     """Data orders (seeds) trained; the NE gap's interval is over these."""
     band: float = 0.0
     """The noise floor: an exact plan's gap is 0 ± this."""
+    floor: NoiseFloor | None = None
+    """The job's noise floor, measured for this budget on this workload: where it trained the
+    baseline on an order for the same steps on a machine like this one, that NE is used and the
+    baseline is not trained again."""
+
+
+def quality_trainings(plans: int, budget: Budget, *, floor: bool) -> int:
+    """How many trainings (each ``budget.quality_scale`` × a trial's steps) :func:`confirm_quality`
+    runs for ``plans`` plans that are trained: each plan once per seed, and the baseline once per
+    seed that the noise floor (``floor``: measured for this budget on this machine) did not train:
+    at scale 1 its ``noise_repeats`` orders are the confirmation's first ones (:func:`data_order`)."""
+    if not plans or not budget.quality_scale:
+        return 0
+    known = min(budget.noise_repeats, budget.quality_seeds) if floor and budget.quality_scale == 1 else 0
+    return (plans + 1) * budget.quality_seeds - known
+
+
+_SAME_MACHINE = ("device_name", "torch", "cuda", "ranks")
+"""What a reused baseline training must share with the plan's: a paired NE gap compares two
+trainings that differ only by the plan, not by the card, the library or the world size."""
+
+
+def _reused(floor: NoiseFloor | None, steps: int, here: Mapping[str, Any] | None) -> Mapping[int, float]:
+    """The baseline's NE by data order that ``floor`` trained for exactly ``steps`` steps on a
+    machine like ``here`` (a provenance; None: assumed alike, for estimates). None when it trained
+    another length (a longer confirmation trains its own baseline) or elsewhere."""
+    if floor is None or floor.training_steps != steps:
+        return {}
+    if here is not None and any(floor.provenance.get(k) != here.get(k) for k in _SAME_MACHINE):
+        return {}
+    return floor.baseline_ne
 
 
 def confirm_quality(workload: Workload, plans: Mapping[str, ErasePlan], *, budget: Budget,
@@ -256,11 +306,12 @@ def confirm_quality(workload: Workload, plans: Mapping[str, ErasePlan], *, budge
                     process_group: Any = None, progress: Callable[[str], None] = lambda s: None,
                     exact: Collection[str] | None = None) -> QualityResult:
     """Train each plan in ``plans`` and the baseline for ``settings.scale`` × the trial's training
-    steps, from the same init, once per seed (seed ``k`` of ``settings.seeds`` trains the batches
-    in the order permuted by ``k``; the first seed is the trial's own order), and report each
-    plan's NE gap with a 95% interval over seeds. Exact plans are not trained: gap 0, interval
-    ±``settings.band``; ``exact`` names them (the plans a trial's gradient check verified), else
-    every plan exact by construction is."""
+    steps, from the same init, once per seed: seed ``k`` of ``settings.seeds`` trains the batches
+    in :func:`data_order` ``k`` (never the trial's own order) with that order's dropout masks, and
+    report each plan's NE gap with a 95% interval over seeds. Exact plans are not trained: gap 0,
+    interval ±``settings.band``; ``exact`` names them (the plans a trial's gradient check
+    verified), else every plan exact by construction is. ``settings.floor``: the baseline
+    trainings the job's noise floor already did, reused."""
     scale, seeds, band = settings.scale, settings.seeds, settings.band
     for name, value, low in (("quality scale", scale, 1), ("quality seeds", seeds, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= MAX_REPEATS:
@@ -273,21 +324,11 @@ def confirm_quality(workload: Workload, plans: Mapping[str, ErasePlan], *, budge
                if not (exact_by_construction(p) if exact is None else name in exact)}
     for p in trained.values():
         p.check_model(init)
-    orders = [None, *(budget.seed * 1000 + 500 + k for k in range(1, seeds))]
-    base_ne: list[float] = []
-    per: dict[str, list[float]] = {name: [] for name in trained}
+    orders = [data_order(budget, k) for k in range(1, seeds + 1)]
+    known = _reused(settings.floor, steps, provenance(device, ranks=ranks_of(process_group)[1]))
     start = TrainStart(workload=workload, init=init, data=data, device=device, process_group=process_group)
     try:
-        for order in orders:
-            if not trained:
-                break
-            masks = budget.seed if order is None else order  # a plan draws its baseline's masks
-            ref = train_ne(start, ErasePlan(), steps, order_seed=order, random_seed=masks, check=not base_ne)
-            base_ne.append(ref)
-            for name, p in trained.items():
-                progress(f"quality: plan {name}, order {order}")
-                ne = train_ne(start, p, steps, order_seed=order, random_seed=masks)
-                per[name].append((ne - ref) / ref)
+        base_ne, per = _train_orders(start, trained, orders, steps, known, progress) if trained else ([], {})
     finally:
         release((), device)
     out: dict[str, QualityConfirmation] = {}
@@ -299,8 +340,32 @@ def confirm_quality(workload: Workload, plans: Mapping[str, ErasePlan], *, budge
         out[name] = QualityConfirmation(ne_gap=mean, lo=lo, hi=hi, per_seed=tuple(per[name]))
     _, world = ranks_of(process_group)
     return QualityResult(
-        steps=steps, seeds=tuple(-1 if o is None else o for o in orders), plans=out, ne_baseline=tuple(base_ne),
+        steps=steps, seeds=tuple(orders), plans=out, ne_baseline=tuple(base_ne),
         provenance=provenance(device, workload=workload.name, workload_args=jsonable_args(workload.args),
                               budget=dataclasses.asdict(budget), training_steps=steps, scale=scale, seeds=seeds,
-                              ranks=world, duration_s=round(time.perf_counter() - started, 3)),
+                              ranks=world, baseline_from_noise_floor=sorted(o for o in orders if o in known),
+                              duration_s=round(time.perf_counter() - started, 3)),
     )
+
+
+def _train_orders(start: TrainStart, trained: Mapping[str, ErasePlan], orders: list[int], steps: int,
+                  known: Mapping[int, float],
+                  progress: Callable[[str], None]) -> tuple[list[float], dict[str, list[float]]]:
+    """The baseline's NE on each order (``known``'s where it has it, else trained) and each
+    plan's NE gap against it; the workload's loss is checked on the first training run here."""
+    base_ne: list[float] = []
+    per: dict[str, list[float]] = {name: [] for name in trained}
+    checked = False
+    for order in orders:
+        if order in known:
+            ref = known[order]
+        else:
+            ref = train_ne(start, ErasePlan(), steps, order_seed=order, random_seed=order, check=not checked)
+            checked = True
+        base_ne.append(ref)
+        for name, p in trained.items():
+            progress(f"quality: plan {name}, order {order}")
+            ne = train_ne(start, p, steps, order_seed=order, random_seed=order, check=not checked)
+            checked = True
+            per[name].append((ne - ref) / ref)
+    return base_ne, per

@@ -140,8 +140,9 @@ class Budget:
     # The three fields below are read by the service around the trials, never by a trial.
     noise_repeats: int = 3
     """Data orders the noise floor of the NE gap is measured over (erase_tune.measure.noise; 0: none)."""
-    quality_scale: int = 4
-    """Quality confirmation trains finalists this many times a trial's training steps (0: none)."""
+    quality_scale: int = 1
+    """Quality confirmation trains finalists this many times a trial's training steps (0: none;
+    at 1 it reuses the noise floor's baseline trainings: erase_tune.measure.noise)."""
     quality_seeds: int = 3
     """Seeds (data orders) of the quality confirmation; its NE gap interval is over these."""
 

@@ -148,7 +148,8 @@ class Results:
         """Keep a job's noise floor (``erase_tune.measure.noise.NoiseFloor.to_dict()``)."""
         row = NoiseFloorRow(job_id=job.id, band=float(floor["band"]), ne_reference=float(floor["ne_reference"]),
                             training_steps=int(floor["training_steps"]), repeats=int(floor["repeats"]),
-                            gaps=json_safe({"gaps": list(floor["gaps"]), "kinds": list(floor["kinds"])}, where="gaps"),
+                            gaps=json_safe({"gaps": list(floor["gaps"]), "kinds": list(floor["kinds"]),
+                                            "baseline_ne": dict(floor.get("baseline_ne") or {})}, where="gaps"),
                             provenance=json_safe(dict(floor.get("provenance") or {}), where="provenance"),
                             created_at=utc_now())
         return self._added(row, _noise_floor)
@@ -240,7 +241,7 @@ def _noise_floor(r: NoiseFloorRow) -> StoredNoiseFloor:
     return StoredNoiseFloor(
         job_id=r.job_id, band=r.band, ne_reference=r.ne_reference, training_steps=r.training_steps,
         repeats=r.repeats, gaps=tuple(r.gaps.get("gaps") or ()), kinds=tuple(r.gaps.get("kinds") or ()),
-        provenance=dict(r.provenance), created_at=r.created_at,
+        baseline_ne=dict(r.gaps.get("baseline_ne") or {}), provenance=dict(r.provenance), created_at=r.created_at,
     )
 
 

@@ -158,12 +158,15 @@ class StoredNoiseFloor:
     kinds: tuple[str, ...]
     provenance: dict[str, Any]
     created_at: dt.datetime
+    baseline_ne: dict[str, float] = dataclasses.field(default_factory=dict)
+    """The baseline's NE by data-order seed (a JSON object: its keys are strings); empty when
+    the floor was stored before it was kept."""
 
     def to_dict(self) -> dict[str, Any]:
         """The form :meth:`erase_tune.measure.noise.NoiseFloor.from_dict` reads."""
         return {"band": self.band, "gaps": list(self.gaps), "kinds": list(self.kinds),
                 "ne_reference": self.ne_reference, "training_steps": self.training_steps, "repeats": self.repeats,
-                "provenance": dict(self.provenance)}
+                "provenance": dict(self.provenance), "baseline_ne": dict(self.baseline_ne)}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -74,6 +74,9 @@ class ConfirmSpec:
     """``quality``: the plans a trial verified exact (not trained); None: those exact by construction."""
     halfwidth: float = 0.02
     """``speed``: a plan stops once its gain's 95% interval is within ± this."""
+    floor: Mapping[str, Any] | None = None
+    """``quality``: the job's noise floor (``NoiseFloor.to_dict()``), whose baseline trainings of
+    the same length are reused; None: the baseline is trained on every order."""
 
 
 CONFIRM_TASKS = ("speed", "quality", "noise")
@@ -157,7 +160,7 @@ def run_confirm(spec: ConfirmSpec, info: Callable[[], dict[str, Any]] = dict,
 def _quality_or_noise(spec: ConfirmSpec, workload: Any, plans: Mapping[str, Any], process_group: Any) -> Any:
     """The ``quality`` and ``noise`` tasks of a :class:`ConfirmSpec` (erase_tune.measure.noise)."""
     from erase_tune.errors import EraseTuneError
-    from erase_tune.measure.noise import QualitySettings, confirm_quality, measure_noise_floor
+    from erase_tune.measure.noise import NoiseFloor, QualitySettings, confirm_quality, measure_noise_floor
     from erase_tune.measure.trial import Budget
 
     budget = Budget(**spec.budget)
@@ -167,7 +170,8 @@ def _quality_or_noise(spec: ConfirmSpec, workload: Any, plans: Mapping[str, Any]
         return measure_noise_floor(workload, budget, repeats=budget.noise_repeats, device=spec.device,
                                    graph=None if budget.reference else False, process_group=process_group)
     if spec.task == "quality":
-        settings = QualitySettings(scale=budget.quality_scale, seeds=budget.quality_seeds, band=spec.band)
+        settings = QualitySettings(scale=budget.quality_scale, seeds=budget.quality_seeds, band=spec.band,
+                                   floor=NoiseFloor.from_dict(spec.floor) if spec.floor else None)
         return confirm_quality(workload, plans, budget=budget, settings=settings, device=spec.device,
                                process_group=process_group, exact=spec.exact)
     raise EraseTuneError(f"confirmation task {spec.task!r} is not one of {', '.join(CONFIRM_TASKS)}")

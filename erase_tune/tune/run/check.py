@@ -46,6 +46,7 @@ from erase_tune.measure.estimate import (
     job_phases,
     measure_step,
 )
+from erase_tune.measure.noise import quality_trainings
 from erase_tune.runtime import EraseEngine, ErasePlan
 from erase_tune.runtime.device import resolve_device
 from erase_tune.measure.trial import GRAPH_WARMUP, reference_capture_error
@@ -221,7 +222,7 @@ def phases(space: SearchSpace, cost: StepCost, *, left: int, singles: int | None
     b = space.budget.per_trial
     # the singles and, at most, as many unions again (pairs and the all-union of the gainers)
     screen = min(left, 2 * singles) if singles is not None else 0
-    quality_runs = (MAX_CONFIRMED + 1) * b.quality_seeds * b.quality_scale if b.quality_scale else 0
+    quality_runs = quality_trainings(MAX_CONFIRMED, b, floor=bool(b.noise_repeats)) * b.quality_scale
     trial = TrialShape(warmup_steps=b.warmup_steps, window_steps=b.window_steps, min_windows=b.windows,
                        max_windows=b.max_windows, quality_steps=b.quality_steps, training_steps=b.training_steps,
                        reference=b.reference and cuda, may_detach=space.may_detach)

@@ -21,6 +21,7 @@ from typing import Any
 import optuna
 
 from erase_tune.errors import EraseTuneError
+from erase_tune.measure.noise import quality_trainings
 from erase_tune.runtime import ErasePlan
 from erase_tune.store import Confirmation, ConfirmationRecord, QualityConfirmation, QualityRecord
 from erase_tune.store.storage import Storage
@@ -100,11 +101,13 @@ def confirm_quality_front(db: Storage, study: optuna.Study, space: SearchSpace, 
     points = front[:MAX_CONFIRMED]
     wl = study.user_attrs[Attr.WORKLOAD]
     band = noise_band(study)
+    floor = study.user_attrs.get(Attr.NOISE_FLOOR)
+    exact = tuple(str(p.number) for p in points if p.user_attrs.get(Attr.EXACT))
     spec = ConfirmSpec(workload=wl["name"], workload_args=wl["args"], plans={str(p.number): p.plan for p in points},
                        budget=dataclasses.asdict(budget), windows=0,
                        gain_over=study.user_attrs.get(Attr.GAIN_OVER, "eager"), task="quality", band=band,
-                       exact=tuple(str(p.number) for p in points if p.user_attrs.get(Attr.EXACT)))
-    runs = (len(points) + 1) * budget.quality_seeds * budget.quality_scale
+                       exact=exact, floor=floor)
+    runs = quality_trainings(len(points) - len(exact), budget, floor=floor is not None) * budget.quality_scale
     res = _confirmed(executor, spec, timeout=float(space.budget.timeout_s) * max(2, runs), expected_s=expected_s,
                      what="quality confirmation")
     out = {}

@@ -46,6 +46,7 @@ from erase_tune._files import name_problem
 from erase_tune.errors import EraseTuneError, shown
 from erase_tune.measure.confirm import MAX_CONFIRM_WINDOWS
 from erase_tune.measure.estimate import StepCost, describe_phases, duration, trial_seconds
+from erase_tune.measure.noise import quality_trainings
 from erase_tune.store import default_storage_url
 from erase_tune.store.storage import Storage, open_storage, reach_storage
 from erase_tune.tune.search.checks import check_space
@@ -479,12 +480,14 @@ def _confirm_reserve(space: SearchSpace, cost: StepCost | None, windows: int) ->
 
 def _quality_seconds(space: SearchSpace, cost: StepCost | None, points: list[FrontPoint]) -> float:
     """What the quality confirmation of ``points`` costs: the plans not verified exact and the
-    baseline, each trained ``quality_scale`` times a trial's steps per seed."""
+    baseline, each trained ``quality_scale`` times a trial's steps per seed (the baseline's
+    trainings the noise floor did are not repeated)."""
     b = space.budget.per_trial
     trained = [p for p in points if not p.user_attrs.get(Attr.EXACT)]
     if cost is None or not trained or not b.quality_scale:
         return 0.0
-    return (len(trained) + 1) * b.quality_seeds * cost.run_s(b.quality_scale * b.training_steps)
+    return quality_trainings(len(trained), b, floor=bool(b.noise_repeats)) * cost.run_s(
+        b.quality_scale * b.training_steps)
 
 
 def _confirm_windows(space: SearchSpace, cost: StepCost | None, windows: int, seconds_left: float | None) -> int:
