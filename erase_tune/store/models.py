@@ -211,7 +211,7 @@ class NoiseFloorRow(Base):
 
 
 class QualityConfirmationRow(Base):
-    """A front plan trained longer over several seeds before export: its NE gap with an interval."""
+    """A front plan trained again over several data orders before export: its NE gap with an interval."""
 
     __tablename__ = "et_quality_confirmations"
 

@@ -171,7 +171,7 @@ class StoredNoiseFloor:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class QualityConfirmation:
-    """A front plan trained longer over several seeds: its NE gap with a 95% interval."""
+    """A front plan trained again over several data orders: its NE gap with a 95% interval."""
 
     job_id: int
     trial_number: int

@@ -256,7 +256,7 @@ class RayExecutor:
     def _confirm_once(self, spec: ConfirmSpec, timeout: float, expected_s: float | None) -> ConfirmOutcome:
         deadline = time.monotonic() + timeout
         what = {"speed": f"re-timing {len(spec.plans)} front plan(s) over {spec.windows} windows",
-                "quality": f"training {len(spec.plans)} front plan(s) longer for their NE gap",
+                "quality": f"training {len(spec.plans)} front plan(s) on other data orders for their NE gap",
                 "noise": "measuring the NE gap's noise floor"}.get(spec.task, spec.task)
         about = f"about {duration(expected_s)}, " if expected_s else ""
         log.info(f"{what} on one trial slot: {about}stopped after {duration(timeout)} at most; Ctrl-C stops (nothing "

@@ -3,7 +3,7 @@
 At the end of ``start`` and in ``export``, the best front plans are re-timed against their
 baseline by the same interleaved protocol as the trials (:mod:`erase_tune.measure.confirm`: one
 process, windows added until each gain's 95% interval is within ±``CONFIRM_HALFWIDTH`` or a cap
-is reached), and the plans whose gain is confirmed are trained longer over several data
+is reached), and the plans whose gain is confirmed are trained again over several data
 orders (:func:`erase_tune.measure.noise.confirm_quality`, an NE-gap interval). Both run on a trial
 worker and are stored in the project's tables.
 
@@ -190,7 +190,7 @@ def choose(front: list[FrontPoint], confirmed: dict[int, Confirmation], quality:
         p = too_costly[0]
         q = quality[p.number]
         return Choice(point=p, confirmation=confirmed[p.number], quality=q, quality_refusal=True, refusal=(
-            f"no plan on the front keeps its NE gap once trained longer: the best, trial {p.number}, confirmed at NE "
+            f"no plan on the front keeps its NE gap on other data orders: the best, trial {p.number}, confirmed at NE "
             f"gap {q.ne_gap:+.2%} [{q.ne_gap_lo:+.2%}, {q.ne_gap_hi:+.2%}] over {q.seeds} seeds of {q.steps} steps; "
             f"with the noise floor (±{band:.2%}) its interval reaches above the budget {max_ne_gap:.2%}"))
     best = max(front, key=lambda p: confirmed[p.number].gain_lo if p.number in confirmed else p.qps_gain)

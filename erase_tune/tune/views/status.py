@@ -43,7 +43,7 @@ class JobStatus:
     noise_floor: dict[str, Any] | None = None
     """The study's noise floor of the NE gap (erase_tune.measure.noise), if measured."""
     quality: list[QualityConfirmation] = dataclasses.field(default_factory=list)
-    """Quality confirmations (front plans trained longer over seeds), oldest first."""
+    """Quality confirmations (front plans trained again over other data orders), oldest first."""
     phases: dict[str, int] = dataclasses.field(default_factory=dict)
     """Trials by phase (erase_tune.tune.search.screen.PHASES), in that order; waiting ones not counted."""
     screen: str | None = None

@@ -112,7 +112,7 @@ def start_summary(s: JobSummary) -> str:
     if s.noise_band:
         lines.append(f"noise floor of the NE gap: ±{s.noise_band:.2%} (gaps within the budget plus it are feasible)")
     for number, (gap, lo, hi) in s.quality.items():
-        lines.append(f"  trial {number} trained longer: NE gap {gap:+.2%} [95% interval {lo:+.2%}, {hi:+.2%}]")
+        lines.append(f"  trial {number} trained on other data orders: NE gap {gap:+.2%} [95% interval {lo:+.2%}, {hi:+.2%}]")
     if s.chosen is not None:
         gain, lo, hi = s.confirmed[s.chosen]
         exact = " (exact: gradients checked equal to the baseline's, NE gap 0)" if any(
