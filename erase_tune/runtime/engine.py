@@ -155,8 +155,9 @@ class EraseEngine:
     """ids of parameters whose gradients live in a CUDA graph's pool (never set to None)."""
     _streams: list[Any]
     """The plan's side streams (stream ``i`` of the plan is ``_streams[i - 1]``)."""
-    _stream_done: list[Any]
-    """One event per side stream, recorded again at every step's end for the main stream to wait on."""
+    _stream_done: dict[int, Any]
+    """An event per side stream a target uses (by plan index), recorded at every step's end for the main stream
+    to wait on; not unused ones: a stream never forked from a whole-step capture breaks it when waited on."""
 
     # -- the plan at work: runners patched into the model, and their helpers ----------------------
     _patches: Patches
@@ -209,7 +210,7 @@ class EraseEngine:
         self.heads = MappingProxyType(heads)
         self._params = list(dict.fromkeys(self.parameters()))
         self._streams = [dev.new_stream(self.device) for _ in range(plan.num_streams)]
-        self._stream_done = [dev.new_event(self.device) for _ in self._streams]
+        self._stream_done = {i: dev.new_event(self.device) for i in sorted({t.stream for t in plan.targets} - {0})}
         self.capture_stream = dev.new_stream(self.device)
         self._join = LazyJoin(self.device) if self.cuda and any(t.stream for t in plan.targets) else None
         self.optimizer = (optimizer or functools.partial(torch.optim.Adam, lr=1e-3))(self.parameters())
@@ -380,10 +381,10 @@ class EraseEngine:
     def _join_streams(self) -> None:
         # Kernels must be queued before wait_stream records its event: drain the workers first.
         self._launcher.drain()
-        if self._streams:
+        if self._stream_done:
             main = dev.current_stream(self.device)
-            for s, done in zip(self._streams, self._stream_done):
-                dev.wait_stream(main, s, done)
+            for i, done in self._stream_done.items():
+                dev.wait_stream(main, self._streams[i - 1], done)
 
     def _check_first_step(self) -> None:
         """After the first backward: every parameter the plain model trains was reached."""
