@@ -21,7 +21,7 @@ def test_start_status_export_train(storage_url, ray_cluster, tmp_path, capsys, p
                    "--repeats", 3) == 0
     captured = capsys.readouterr()
     out = captured.out
-    assert "study svc: 6 complete, 0 failed" in out and "overhead per trial" in out
+    assert "study svc: 6 complete, 0 failed" in out and "overhead per trial" in out and "once per job: worker start" in out
     assert f"erase-tune status --study svc --storage {storage_url}" in out  # the exact next commands
     assert "re-measured" in out  # the front was confirmed at the end
     assert "measured, 0 running" in captured.err and "elapsed" in captured.err  # progress, on stderr

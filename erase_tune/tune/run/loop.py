@@ -396,14 +396,16 @@ class Loop:
     # -- helpers -------------------------------------------------------------------------------
 
     def overhead(self) -> dict[str, float]:
-        """Mean seconds per measured trial of each cost, and the whole overhead as a fraction of
-        trial time (worker start-up counted too: once per slot, amortised over its trials)."""
+        """Mean seconds per measured trial of each cost; ``per_trial``: what each trial costs the
+        driver (ask, record, dispatch) as a fraction of trial time; ``fraction``: the same with the
+        workers' start-up (once per slot per job, before trial 0) amortised over the trials."""
         out = {k: (sum(v) / len(v) if v else 0.0) for k, v in self.cost.items()}
         n = len(self.cost["trial"])
         out["worker_start"] = sum(self.executor.worker_start_s) / n if n else 0.0
         out["trials"] = float(n)
-        spent = out["ask"] + out["record"] + out["dispatch"] + out["worker_start"]
-        out["fraction"] = spent / out["trial"] if out["trial"] else 0.0
+        per_trial = out["ask"] + out["record"] + out["dispatch"]
+        out["per_trial"] = per_trial / out["trial"] if out["trial"] else 0.0
+        out["fraction"] = (per_trial + out["worker_start"]) / out["trial"] if out["trial"] else 0.0
         return out
 
     def counts(self, trials: Sequence[FrozenTrial] | None = None) -> tuple[int, int]:

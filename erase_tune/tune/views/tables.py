@@ -101,8 +101,9 @@ def start_summary(s: JobSummary) -> str:
     lines = [f"study {s.study_name}: {s.complete} complete, {s.failed} failed" + (f" ({s.stopped})" if s.stopped else "")]
     if o.get("trials"):
         lines.append(f"overhead per trial: ask {o['ask']:.3f}s + record {o['record']:.3f}s + Ray dispatch "
-                     f"{o['dispatch']:.3f}s + worker start {o['worker_start']:.2f}s (once per slot, amortised) = "
-                     f"{o['fraction']:.2%} of {o['trial']:.1f}s trial time")
+                     f"{o['dispatch']:.3f}s = {o['per_trial']:.2%} of {o['trial']:.1f}s trial time; once per job: "
+                     f"worker start {o['worker_start'] * o['trials']:.1f}s ({o['fraction']:.2%} with it amortised "
+                     f"over {o['trials']:.0f} trials)")
     if s.front:
         lines.append("Pareto front within the NE budget (best first): "
                      + ", ".join(f"trial {p.number} {p.qps_gain:+.2%}/{p.ne_gap:+.2%}" for p in s.front))
