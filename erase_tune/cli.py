@@ -273,7 +273,7 @@ def cmd_db(ns: argparse.Namespace) -> int:
     db = open_storage(ns.storage if ns.storage is not None else default_storage_url(),
                       must_exist=ns.action == "current", upgrade=ns.action == "upgrade")
     try:
-        print(f"{db.url}: schema at revision {db.store.current_revision()}")
+        print(f"{db.url}: schema at revision {db.store.schema_version().revision}")
     finally:
         db.close()
     return 0

@@ -45,5 +45,5 @@ def test_db_upgrade_and_current(tmp_path, capsys):
     assert main(["db", "upgrade", "--storage", url]) == 0
     assert head_revision() in capsys.readouterr().out
     with Store(url) as store:
-        assert store.current_revision() == head_revision()
+        assert store.schema_version().revision == head_revision()
     assert main(["db", "current", "--storage", url]) == 0

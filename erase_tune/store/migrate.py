@@ -28,8 +28,9 @@ from alembic import command
 from erase_tune.errors import EraseTuneError
 from erase_tune.store.engine import WRITE_OPTION
 from erase_tune.store.models import VERSION_TABLE
+from erase_tune.store.values import SchemaVersion
 
-__all__ = ["SchemaError", "scripts_dir", "alembic_config", "head_revision", "current_revision",
+__all__ = ["SchemaError", "scripts_dir", "alembic_config", "head_revision", "schema_version",
            "upgrade", "downgrade", "check_schema", "upgrade_sql"]
 
 
@@ -91,7 +92,14 @@ def _known_revisions() -> set[str]:
     return {s.revision for s in _scripts(scripts_dir()).walk_revisions()}
 
 
-def current_revision(connection: Connection) -> str | None:
+def schema_version(connection: Connection) -> SchemaVersion:
+    """Where the database's erase-tune tables stand (:class:`~erase_tune.store.values.SchemaVersion`)."""
+    revision = _recorded(connection)
+    return SchemaVersion(revision=revision, head=head_revision(),
+                         known=revision is None or revision in _known_revisions())
+
+
+def _recorded(connection: Connection) -> str | None:
     """The revision recorded in the database; None for a database never upgraded (or at base)."""
     ctx = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
     heads = ctx.get_current_heads()
@@ -116,17 +124,10 @@ def _migration_connection(engine: Engine) -> Iterator[Connection]:
 
 def upgrade(engine: Engine, revision: str = "head") -> None:
     with _migration_connection(engine) as conn:
-        _check_known(current_revision(conn))  # (and one revision, not several)
+        version = schema_version(conn)  # (and one revision, not several)
+        if version.state == "ahead":  # a newer erase-tune's database: nothing to migrate to
+            raise SchemaError(version.problem(""))
         command.upgrade(alembic_config(conn), revision)
-
-
-def _check_known(current: str | None) -> None:
-    """Refuse a revision this erase-tune does not know: a newer erase-tune's database."""
-    if current is not None and current not in _known_revisions():
-        raise SchemaError(
-            f"database at revision {current}, which this erase-tune does not know (it needs {head_revision()}): "
-            "the database was upgraded by a newer erase-tune; upgrade erase-tune"
-        )
 
 
 def downgrade(engine: Engine, revision: str = "base") -> None:
@@ -146,12 +147,6 @@ def check_schema(connection: Connection, shown_url: str) -> None:
 
     ``shown_url`` is the already redacted URL to put in the advice.
     """
-    current, head = current_revision(connection), head_revision()
-    if current == head:
-        return
-    _check_known(current)
-    shown = current if current is not None else "none (erase-tune tables not created)"
-    raise SchemaError(
-        f"database at revision {shown}, erase-tune needs {head}: "
-        f"run `erase-tune db upgrade --storage {shown_url}`"
-    )
+    problem = schema_version(connection).problem(shown_url)
+    if problem is not None:
+        raise SchemaError(problem)

@@ -47,6 +47,7 @@ from erase_tune.store.results import Results
 from erase_tune.store.retry import Retrier, UncertainCommit, retried
 from erase_tune.store.values import (
     Job,
+    SchemaVersion,
     json_safe,
     utc_now,
 )
@@ -151,10 +152,10 @@ class Store(Results):
         self._schema_checked = False
 
     @retried("reading the schema's revision")
-    def current_revision(self) -> str | None:
-        """The erase-tune revision the database is at; None if it has none of our tables."""
+    def schema_version(self) -> SchemaVersion:
+        """Where the database's erase-tune tables stand against this erase-tune's migrations."""
         with self._connect() as conn:
-            return migrate.current_revision(conn)
+            return migrate.schema_version(conn)
 
     def check_schema(self) -> None:
         """Raise :class:`~erase_tune.store.migrate.SchemaError` unless at our head revision."""

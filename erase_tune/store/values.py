@@ -16,13 +16,49 @@ import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
-__all__ = ["JobStatus", "OutcomeStatus", "FailureKind", "Job", "StoredOutcome", "Confirmation", "BaselineEntry",
+__all__ = ["JobStatus", "OutcomeStatus", "FailureKind", "SchemaState", "SchemaVersion", "Job", "StoredOutcome",
+           "Confirmation", "BaselineEntry",
            "StoredNoiseFloor", "QualityConfirmation", "OutcomeRecord", "ConfirmationRecord", "QualityRecord",
            "Export", "baseline_key", "json_safe", "utc_now"]
 
 JobStatus = Literal["running", "finished", "failed", "interrupted"]
 OutcomeStatus = Literal["complete", "failed"]
 FailureKind = Literal["trial", "infra"]
+SchemaState = Literal["current", "none", "behind", "ahead"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SchemaVersion:
+    """Where a database's erase-tune tables stand against this erase-tune's migrations."""
+
+    revision: str | None
+    """The revision recorded in the database's version table; None: no erase-tune tables yet."""
+    head: str
+    """The revision this erase-tune's code needs."""
+    known: bool
+    """``revision`` is one of this erase-tune's migrations (False: a newer erase-tune wrote it)."""
+
+    @property
+    def state(self) -> SchemaState:
+        """``current`` (at ``head``), ``none`` (never upgraded), ``behind`` (an older revision
+        ``erase-tune db upgrade`` migrates) or ``ahead`` (a newer erase-tune's)."""
+        if self.revision == self.head:
+            return "current"
+        if self.revision is None:
+            return "none"
+        return "behind" if self.known else "ahead"
+
+    def problem(self, shown_url: str) -> str | None:
+        """None at ``head``; else the one line that says what to run (``shown_url``: redacted)."""
+        state = self.state
+        if state == "current":
+            return None
+        if state == "ahead":
+            return (f"database at revision {self.revision}, which this erase-tune does not know (it needs "
+                    f"{self.head}): the database was upgraded by a newer erase-tune; upgrade erase-tune")
+        shown = self.revision if state == "behind" else "none (erase-tune tables not created)"
+        return (f"database at revision {shown}, erase-tune needs {self.head}: "
+                f"run `erase-tune db upgrade --storage {shown_url}`")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -74,7 +74,7 @@ def test_upgrade_downgrade_upgrade_leaves_optuna_alone(storage_url: str) -> None
 
     with Store(storage_url) as store:
         store.upgrade()
-        assert store.current_revision() == head_revision()
+        assert store.schema_version().revision == head_revision()
         store.check_schema()
         assert table_names(storage_url) == optuna_tables | OUR_TABLES | {VERSION_TABLE}
         assert optuna_version(storage_url) == optuna_rev
@@ -84,7 +84,7 @@ def test_upgrade_downgrade_upgrade_leaves_optuna_alone(storage_url: str) -> None
         assert optuna_study(storage_url, n_trials=1) == 3  # Optuna is fine with our tables beside
 
         store.downgrade()
-        assert store.current_revision() is None
+        assert store.schema_version().revision is None and store.schema_version().state == "none"
         # Alembic keeps its (now empty) version table at base; everything else of ours is gone.
         assert table_names(storage_url) == optuna_tables | {VERSION_TABLE}
         assert optuna_version(storage_url) == optuna_rev
@@ -93,16 +93,26 @@ def test_upgrade_downgrade_upgrade_leaves_optuna_alone(storage_url: str) -> None
             store.get_job("unrelated")
 
         store.upgrade()
-        assert store.current_revision() == head_revision()
+        assert store.schema_version().revision == head_revision() and store.schema_version().state == "current"
         assert store.list_jobs() == []  # a fresh schema, usable again
         store.create_job(study_name="unrelated", space_path="s.yaml", space_yaml="", workload="mlp")
         assert optuna_study(storage_url, n_trials=1) == 5
+
+        store.downgrade("-1")  # an older erase-tune's schema: one this one migrates
+        older = store.schema_version()
+        assert older.state == "behind" and older.known and older.revision not in (None, head_revision())
+        assert older.problem("URL") == (f"database at revision {older.revision}, erase-tune needs {head_revision()}: "
+                                        "run `erase-tune db upgrade --storage URL`")
+        with pytest.raises(SchemaError, match="run `erase-tune db upgrade"):
+            store.check_schema()
+        store.upgrade()
+        assert store.schema_version().state == "current"
 
 
 def test_upgrade_is_idempotent(migrated: Store, storage_url: str) -> None:
     before = table_names(storage_url)
     migrated.upgrade()
-    assert table_names(storage_url) == before and migrated.current_revision() == head_revision()
+    assert table_names(storage_url) == before and migrated.schema_version().revision == head_revision()
 
 
 def test_models_and_migrations_agree(migrated: Store, storage_url: str) -> None:
@@ -131,7 +141,8 @@ def test_database_newer_than_this_erase_tune(migrated: Store, storage_url: str) 
     engine.dispose()
     with pytest.raises(SchemaError, match="9999_future, which this erase-tune does not know.*upgrade erase-tune"):
         migrated.check_schema()
-    assert migrated.current_revision() == "9999_future"
+    version = migrated.schema_version()
+    assert (version.revision, version.state, version.known) == ("9999_future", "ahead", False)
     with pytest.raises(SchemaError, match="9999_future, which this erase-tune does not know.*upgrade erase-tune"):
         migrated.upgrade()  # not Alembic's "Can't locate revision"
 
@@ -164,7 +175,7 @@ def test_failed_upgrade_leaves_nothing_half_done(store: Store, storage_url: str)
         store.upgrade()
     assert "\n" not in str(info.value)
     assert table_names(storage_url) == {"et_exports"}
-    assert store.current_revision() is None
+    assert store.schema_version().revision is None
 
 
 def test_0002_carries_trial_measurements_over_and_back(store: Store, storage_url: str) -> None:

@@ -186,7 +186,7 @@ def test_record_export(migrated: Store) -> None:
 
 
 def test_unmigrated_database_is_reported_clearly(store: Store) -> None:
-    assert store.current_revision() is None
+    assert store.schema_version().revision is None
     with pytest.raises(SchemaError) as info:
         store.check_schema()
     message = str(info.value)
