@@ -12,6 +12,9 @@ Inside every training step, :func:`main_loss` is how an engine turns the model's
 the main loss (``model_loss=`` for a model that computes its own, else ``loss_fn`` on the
 prediction ``output=`` picks), and :func:`check_main_loss` is the one line for a main loss
 that cannot train anything.
+:func:`select_output` picks the prediction (or the loss) out of a structured model output,
+and :func:`task_tensors` tells a multi-task prediction (``{task: tensor}``); the probe and the
+aux heads use them too.
 
 A mean-reduced loss is detected without knowing the loss: on the batch repeated twice it
 gives exactly the same value as on the batch (the mean of a multiset doubled is its mean); a
@@ -28,12 +31,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from erase_tune.errors import EraseTuneError, PlanError, shown
+from erase_tune.errors import EraseTuneError, PlanError, one_line, shown
 from erase_tune.runtime.pieces import tensors_in
 from erase_tune.runtime.plan import ErasePlan
-from erase_tune.runtime.probe import select_output, task_tensors
 
-__all__ = ["check_loss", "check_loss_value", "main_loss", "check_main_loss"]
+__all__ = ["check_loss", "check_loss_value", "main_loss", "check_main_loss", "select_output", "task_tensors"]
 
 _SUM_RATIO = 1.5
 """Loss on the doubled batch over loss on the batch above this: not a mean (a sum gives 2)."""
@@ -149,3 +151,29 @@ def _quiet(model: nn.Module) -> Iterator[None]:
     finally:
         for m, mode in modes.items():
             m.training = mode
+
+
+def select_output(output: Callable[[Any], Tensor], model_output: Any, label: str = "output") -> Tensor:
+    """``output(model_output)``, the prediction (or with ``label="model_loss"``, the loss) in a
+    structured model output; a one-line :class:`EraseTuneError` when the selector fails on it
+    or returns no tensor."""
+    what = type(model_output).__name__
+    try:
+        pred = output(model_output)
+    except (LookupError, AttributeError, TypeError, ValueError) as e:
+        text = str(e).strip().splitlines()
+        raise EraseTuneError(f"{label}=: fails on the model's output (a {what}): {type(e).__name__}: "
+                             f"{one_line(text[0]) if text else ''}".rstrip(": ")) from None
+    if label != "model_loss" and task_tensors(pred):
+        return pred  # type: ignore[return-value]  # a multi-task prediction {task: tensor}
+    if not isinstance(pred, Tensor):
+        raise EraseTuneError(f"{label}=: returns {type(pred).__name__} from the model's output (a {what}), "
+                             f"but the {'loss' if label == 'model_loss' else 'prediction'} must be one tensor"
+                             f"{'' if label == 'model_loss' else ' (or a dict of them, one per task)'}")
+    return pred
+
+
+def task_tensors(pred: Any) -> bool:
+    """Whether ``pred`` is a multi-task prediction: a non-empty dict ``{task name: tensor}``."""
+    return (isinstance(pred, dict) and bool(pred) and all(isinstance(k, str) for k in pred)
+            and all(isinstance(v, Tensor) for v in pred.values()))

@@ -34,10 +34,11 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from erase_tune.errors import EraseTuneError, PlanError, one_line, shown
+from erase_tune.errors import EraseTuneError, PlanError, shown
+from erase_tune.runtime.losscheck import select_output, task_tensors
 from erase_tune.runtime.plan import ErasePlan, check_in_model, members_of
 
-__all__ = ["ProbeResult", "FirstStepCheck", "probe", "select_output"]
+__all__ = ["ProbeResult", "FirstStepCheck", "probe"]
 
 _NAMES_SHOWN = 5
 _VIEWS = {"ViewBackward", "SqueezeBackward", "UnsqueezeBackward", "ReshapeAliasBackward", "UnsafeViewBackward",
@@ -275,32 +276,6 @@ def probe(model: nn.Module, inputs: tuple, targets: Sequence[str], *,
         trainable=trainable,
         fused=tuple(n for n in trainable if n in fused),
     )
-
-
-def select_output(output: Callable[[Any], Tensor], model_output: Any, label: str = "output") -> Tensor:
-    """``output(model_output)``, the prediction (or with ``label="model_loss"``, the loss) in a
-    structured model output; a one-line :class:`EraseTuneError` when the selector fails on it
-    or returns no tensor."""
-    what = type(model_output).__name__
-    try:
-        pred = output(model_output)
-    except (LookupError, AttributeError, TypeError, ValueError) as e:
-        text = str(e).strip().splitlines()
-        raise EraseTuneError(f"{label}=: fails on the model's output (a {what}): {type(e).__name__}: "
-                             f"{one_line(text[0]) if text else ''}".rstrip(": ")) from None
-    if label != "model_loss" and task_tensors(pred):
-        return pred  # type: ignore[return-value]  # a multi-task prediction {task: tensor}
-    if not isinstance(pred, Tensor):
-        raise EraseTuneError(f"{label}=: returns {type(pred).__name__} from the model's output (a {what}), "
-                             f"but the {'loss' if label == 'model_loss' else 'prediction'} must be one tensor"
-                             f"{'' if label == 'model_loss' else ' (or a dict of them, one per task)'}")
-    return pred
-
-
-def task_tensors(pred: Any) -> bool:
-    """Whether ``pred`` is a multi-task prediction: a non-empty dict ``{task name: tensor}``."""
-    return (isinstance(pred, dict) and bool(pred) and all(isinstance(k, str) for k in pred)
-            and all(isinstance(v, Tensor) for v in pred.values()))
 
 
 # -- recording the forward ----------------------------------------------------------------------

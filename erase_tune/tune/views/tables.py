@@ -6,8 +6,7 @@ lives in one place.
 
 from __future__ import annotations
 
-from erase_tune.runtime import ErasePlan
-from erase_tune.measure.noise import NoiseFloor, exact_by_construction
+from erase_tune.measure.noise import NoiseFloor
 from erase_tune.measure.trial import TrialResult
 from erase_tune.tune.run.job import JobSummary
 from erase_tune.tune.run.loop import Progress
@@ -65,7 +64,7 @@ def trial_table(result: TrialResult, floor: NoiseFloor | None = None) -> str:
         lines.append(f"note: training read its batches {prov['data_passes']:.1f} times ({_more_batches(prov)} "
                      "for one pass; a second pass can over-fit and skew NE)")
     if floor is not None:
-        lines.append(noise_line(floor, result.ne_gap, result.plan))
+        lines.append(noise_line(floor, result.ne_gap, exact=result.exact))
     return "\n".join(lines)
 
 
@@ -77,11 +76,13 @@ def _more_batches(prov: dict) -> str:
     return "give the workload more training batches than the trial takes steps"
 
 
-def noise_line(floor: NoiseFloor, ne_gap: float | None = None, plan: ErasePlan | None = None) -> str:
-    """The noise floor of the NE gap, and where ``ne_gap`` (of ``plan``) lies against it."""
+def noise_line(floor: NoiseFloor, ne_gap: float | None = None, *, exact: bool = False) -> str:
+    """The noise floor of the NE gap, and where a trial's ``ne_gap`` lies against it (``exact``:
+    the trial checked that its plan changes no gradient, so the gap is not a judgement)."""
     line = f"noise floor of the NE gap: {floor.describe()}"
-    if plan is not None and exact_by_construction(plan):
-        return line + f"\nthis plan has no cuts: exact by construction, its NE gap {ne_gap:+.3%} is noise"
+    if exact:
+        return line + (f"\nthis plan has no cuts: exact by construction (gradients checked), its NE gap "
+                       f"{ne_gap:+.3%} is noise")
     if ne_gap is not None:
         within = abs(ne_gap) <= floor.band
         line += f"\nthis plan's NE gap {ne_gap:+.3%} is {'within' if within else 'beyond'} the noise"
