@@ -18,7 +18,12 @@ def test_trial_table_and_json(tmp_path, capsys):
     ErasePlan(cuts=(Cut(module="subarchs.0", stream=1), Cut(module="subarchs.4")), num_streams=1,
               dispatch="threaded").save(plan)
     assert main(["trial", "--workload", "ctr", *TINY, "--plan", str(plan), "--device", "cpu", *BUDGET]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    # before the first window (the long part: --window-steps 1000000 is hours) it says what it times
+    timing = [line for line in err.splitlines() if line.startswith("timing ")]
+    assert len(timing) == 1 and timing[0].endswith(": 2-20 windows of 3 steps each, until each gain's 95% interval "
+                                                   "is within ±3%; Ctrl-C stops"), err
+    assert all(name in timing[0] for name in ("baseline", "candidate", "detach_only")), timing
     for needle in ("baseline", "candidate", "detach_only", "gain p90", "NE gap", "of which work removed"):
         assert needle in out, out
     assert main(["trial", "--workload", "ctr", *TINY, "--plan", str(plan), "--device", "cpu", *BUDGET, "--json"]) == 0

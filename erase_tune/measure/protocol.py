@@ -35,6 +35,7 @@ same numbers (rank 0's), so that they keep running the same runners.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 
@@ -55,6 +56,10 @@ from erase_tune.measure.timing import (
 
 __all__ = ["STOPS", "StopRule", "GainEstimate", "ProtocolResult", "ProtocolHooks", "Steps", "measure_gains",
            "window_gain", "estimate"]
+
+log = logging.getLogger("erase_tune.measure")
+"""Where the protocol says what it is about to time (INFO: a command's console shows it; a trial
+worker, whose logging is not configured, does not)."""
 
 STOPS = ("narrow", "behind", "cap")
 """Why a plan stopped being measured: its interval was narrow enough, it was behind the bound
@@ -212,8 +217,16 @@ def measure_gains(
     race = _Race(runners, _pairs(runners, pairs), deciding, rule, agree)
     device = torch.device(device)
     clock = window if window is not None else window_measure(device)
+
+    def warmed_up() -> None:  # the long part is the windows: say what they are before the first
+        log.info(f"timing {', '.join(runners)} in turn: {rule.min_windows}-{rule.max_windows} windows of "
+                 f"{window_steps:,} steps each, until each gain's 95% interval is within ±{rule.halfwidth:.0%}; "
+                 "Ctrl-C stops")
+        if after_warmup is not None:
+            after_warmup()
+
     samples, labels = interleave(runners, clock, device=device, steps=steps, windows=rule.max_windows,
-                                 after_warmup=after_warmup, after_round=race.after_round)
+                                 after_warmup=warmed_up, after_round=race.after_round)
     next_steps = {n: start_step + warmup_steps + race.rounds_run[n] * window_steps for n in runners}
     most = max(next_steps.values()) - start_step
     timings = InterleavedTimings(
