@@ -236,6 +236,20 @@ class _Piece:
             join.pause_depth -= 1
         return args, kwargs, tensors_in((args, kwargs))
 
+    def _on_side(self, join: LazyJoin, args: tuple, kwargs: dict, run: Callable[[tuple, dict], Any]) -> Any:
+        """``run(args, kwargs)`` on this piece's side stream: its inputs joined there first, its
+        outputs handed on to the join (the placed and the graphed runners' side-stream path)."""
+        side = self.side
+        side.enter()
+        try:
+            args, kwargs, inputs = self._inputs(join, args, kwargs, side.stream)
+            versions = [t._version for t in inputs]
+            out = run(args, kwargs)
+        finally:
+            done = side.mark()
+            side.restore()
+        return self._hand_on(join, out, inputs, versions, done)
+
     def _hand_on(self, join: LazyJoin, out: Any, inputs: list[Tensor], versions: list[int], done: Any) -> Any:
         """Register the side forward's outputs with the join; what the model gets instead."""
         # An input the piece wrote in place is, for later readers, an output of the piece.
@@ -376,15 +390,7 @@ class PlacedRunner(_Piece):
         join = state.join if state is not None else None
         if join is None or side is None:  # outside a step, or on the CPU: the plain forward
             return self.chain(args, kwargs)
-        side.enter()
-        try:
-            args, kwargs, inputs = self._inputs(join, args, kwargs, side.stream)
-            versions = [t._version for t in inputs]
-            out = self.chain(args, kwargs)
-        finally:
-            done = side.mark()
-            side.restore()
-        return self._hand_on(join, out, inputs, versions, done)
+        return self._on_side(join, args, kwargs, self.chain)
 
 
 class GraphedRunner(_Piece):
@@ -412,15 +418,7 @@ class GraphedRunner(_Piece):
             if join is not None:
                 args, kwargs, _ = self._inputs(join, args, kwargs, dev.current_stream(host.device))
             return self._run(args, kwargs)
-        side.enter()
-        try:
-            args, kwargs, inputs = self._inputs(join, args, kwargs, side.stream)
-            versions = [t._version for t in inputs]
-            out = self._run(args, kwargs)
-        finally:
-            done = side.mark()
-            side.restore()
-        return self._hand_on(join, out, inputs, versions, done)
+        return self._on_side(join, args, kwargs, self._run)
 
     def _run(self, args: tuple, kwargs: dict) -> Any:
         out = self.chain(args, kwargs) if self.calls < self.host.graph_warmup else self._replay(args, kwargs)
