@@ -241,6 +241,11 @@ class QualityConfirmation:
     exact: bool = False
     """Exact by construction (no cuts): not trained; its gap is 0 and its interval the noise band."""
 
+    @classmethod
+    def of_exact(cls, band: float) -> QualityConfirmation:
+        """An exact plan's: not trained, gap 0, interval ±``band`` (the noise floor)."""
+        return cls(ne_gap=0.0, lo=-band, hi=band, per_seed=(), exact=True)
+
     def above_budget(self, max_ne_gap: float, band: float = 0.0) -> bool:
         """The confirmed gap is above the budget beyond the noise (the export refuses the plan)."""
         return not feasible(self.ne_gap, max_ne_gap, band, exact=self.exact)
@@ -334,7 +339,7 @@ def confirm_quality(workload: Workload, plans: Mapping[str, ErasePlan], *, budge
     out: dict[str, QualityConfirmation] = {}
     for name in plans:
         if name not in trained:
-            out[name] = QualityConfirmation(ne_gap=0.0, lo=-band, hi=band, per_seed=(), exact=True)
+            out[name] = QualityConfirmation.of_exact(band)
             continue
         mean, lo, hi = t_interval(per[name])
         out[name] = QualityConfirmation(ne_gap=mean, lo=lo, hi=hi, per_seed=tuple(per[name]))

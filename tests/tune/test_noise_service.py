@@ -18,6 +18,13 @@ from tests.tune.conftest import run_cli
 from tests.tune.faulty import write_space
 
 
+class _Untouchable:
+    """An executor that fails the test when anything of it is used."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"the executor was used ({name}) for plans that need no training")
+
+
 def test_noise_floor_feasibility_resume_status_and_quality(storage_url, ray_cluster, tmp_path, capsys):
     space_path = write_space(
         tmp_path / "noise.yaml", trials=3, max_ne_gap=0.001,
@@ -81,6 +88,18 @@ def test_noise_floor_feasibility_resume_status_and_quality(storage_url, ray_clus
             assert (q.ne_gap, q.ne_gap_lo, q.ne_gap_hi) == (0.0, -band, band)
         else:
             assert len(q.per_seed) == 2 and q.ne_gap_lo <= q.ne_gap <= q.ne_gap_hi
+    # A front of exact plans only: nothing to train, so no worker is asked (an executor that is
+    # touched fails the test) and each gets gap 0 within the floor.
+    exact_front = [p for p in front if p.user_attrs.get("exact")]
+    assert exact_front
+    db = open_storage(storage_url)
+    try:
+        only_exact = confirm_quality_front(db, db.study("nf"), space, _Untouchable(), exact_front)
+    finally:
+        db.close()
+    assert set(only_exact) == {p.number for p in exact_front[:3]}
+    assert all(q.exact and (q.ne_gap, q.ne_gap_lo, q.ne_gap_hi, q.seeds) == (0.0, -band, band, 0)
+               for q in only_exact.values())
     best = tmp_path / "best.yaml"
     assert run_cli("export", "--study", "nf", "--storage", storage_url, "--repeats", 2, "-o", best, "--force") == 0
     prov = ErasePlan.load(best).provenance

@@ -16,18 +16,22 @@ gain is proven best, not the luckiest reading.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import optuna
 
 from erase_tune.errors import EraseTuneError
-from erase_tune.measure.noise import quality_trainings
+from erase_tune.measure import noise
+from erase_tune.measure.noise import QualityResult, quality_trainings
 from erase_tune.runtime import ErasePlan
 from erase_tune.store import Confirmation, ConfirmationRecord, QualityConfirmation, QualityRecord
 from erase_tune.store.storage import Storage
 from erase_tune.tune.execute.task import ConfirmSpec
 from erase_tune.tune.search.space import SearchSpace
 from erase_tune.tune.search.study import Attr, FrontPoint, noise_band
+
+log = logging.getLogger("erase_tune")
 
 __all__ = ["MAX_CONFIRMED", "CONFIRM_HALFWIDTH", "CONFIRM_MAX_WINDOWS", "MIN_CONFIRM_WINDOWS", "PICKS", "Choice",
            "choose", "pick_point", "confirm_front", "confirm_quality_front", "quality_refused", "with_quality"]
@@ -108,8 +112,15 @@ def confirm_quality_front(db: Storage, study: optuna.Study, space: SearchSpace, 
                        gain_over=study.user_attrs.get(Attr.GAIN_OVER, "eager"), task="quality", band=band,
                        exact=exact, floor=floor)
     runs = quality_trainings(len(points) - len(exact), budget, floor=floor is not None) * budget.quality_scale
-    res = _confirmed(executor, spec, timeout=float(space.budget.timeout_s) * max(2, runs), expected_s=expected_s,
-                     what="quality confirmation")
+    if runs:
+        res = _confirmed(executor, spec, timeout=float(space.budget.timeout_s) * max(2, runs), expected_s=expected_s,
+                         what="quality confirmation")
+    else:  # every plan exact: nothing to train, so no worker is asked and nothing is waited for
+        log.info("quality confirmation: the %d front plan(s) are exact (their trials checked the gradients equal to "
+                 "the baseline's): nothing to train", len(points))
+        res = QualityResult(steps=budget.quality_scale * budget.training_steps, seeds=(), ne_baseline=(),
+                            plans={str(p.number): noise.QualityConfirmation.of_exact(band) for p in points},
+                            provenance={"trained": False, "why": "every plan verified exact by its trial"})
     out = {}
     for p in points:
         c = res.plans[str(p.number)]
