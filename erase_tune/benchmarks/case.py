@@ -79,7 +79,7 @@ class Case:
         for f in dataclasses.fields(self.options):
             flag = "--" + f.name.replace("_", "-")
             kind = hints[f.name]
-            help_ = f.metadata.get("help", "")
+            help_ = f.metadata.get("help", "").replace("%", "%%")  # argparse formats help with %
             choices = f.metadata.get("choices")
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
             if kind is bool:

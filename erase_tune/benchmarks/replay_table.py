@@ -35,6 +35,11 @@ from erase_tune.runtime import ErasePlan
 from erase_tune.runtime.device import resolve_device
 from erase_tune.workloads import get_workload
 
+REPLAY_SPACE = "search_spaces/ctr-replay.yaml"
+"""The finite CTR space the shipped replay table covers."""
+REPLAY_TABLE = "docs/results/h200-2026-12-01/replay_ctr.json"
+"""The shipped replay table: every plan of :data:`REPLAY_SPACE` measured once on the H200."""
+
 
 def detached(plan: ErasePlan) -> tuple[str, ...]:
     return tuple(sorted(c.module for c in plan.cuts))
@@ -93,7 +98,7 @@ def measure_ne(workload, sets: list[tuple[str, ...]], base: ErasePlan, budget: B
 
 @dataclasses.dataclass
 class Options:
-    space: str = opt("search_spaces/ctr-replay.yaml", "a finite search space")
+    space: str = opt(REPLAY_SPACE, "a finite search space")
     shard: str = opt("0/1", "i/n: measure every n-th plan and detached set, from the i-th")
     group: int = opt(16, "plans timed together with the baseline")
     device: str = opt("auto", "device (auto, cuda, cpu)")
@@ -108,7 +113,7 @@ def _table(doc: dict[str, Any]) -> dict[str, Any]:
 
 @case("replay_table", Options, cuda="optional", recorded_with="scripts/measure_replay_table.py",
       description="every plan of a finite space measured once (QPS gain; NE once per detached set), for replays",
-      figures=("0.3 Tuner efficiency, by replay (the table docs/results/h200-2026-12-01/replay_ctr.json)",))
+      figures=(f"0.3 Tuner efficiency, by replay (the table {REPLAY_TABLE})",))
 def replay_table(ns: Options, ctx: Context) -> dict[str, Any]:
     if ns.merge:
         parts = [_table(json.loads(Path(p).read_text())) for p in ns.merge]

@@ -21,12 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from erase_tune.benchmarks.case import Context, case, opt
+from erase_tune.benchmarks.replay_table import REPLAY_SPACE, REPLAY_TABLE
 
 
 @dataclasses.dataclass
 class Options:
-    table: str = opt("docs/results/h200-2026-12-01/replay_ctr.json", "the replay table (measured on the GPU: replay_table)")
-    space: str = opt("search_spaces/ctr-replay.yaml", "the space the table covers")
+    table: str = opt(REPLAY_TABLE, "the replay table (measured on the GPU: replay_table)")
+    space: str = opt(REPLAY_SPACE, "the space the table covers")
     trials: int = opt(60, "measured trials per study")
     seeds: int = opt(3, "studies per sampler")
     first_seed: int = opt(0, "seeds first-seed .. first-seed + seeds - 1")

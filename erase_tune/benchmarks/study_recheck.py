@@ -20,6 +20,7 @@ from typing import Any
 
 from erase_tune.benchmarks.case import Context, case, opt
 from erase_tune.benchmarks.rank_agreement import kendall_tau_b
+from erase_tune.measure.confirm import ConfirmWindows, confirm_plans
 
 HIGH = 0.10
 """A searched gain at least this high that re-measures at or below 0 is what the study must never do."""
@@ -30,8 +31,8 @@ class Options:
     storage: str = opt("", "the study's storage URL (sqlite:///FILE or postgresql+psycopg://...)")
     study: str = opt("", "the study's name")
     windows: int = opt(5, "windows at least per plan")
-    max_windows: int = opt(40, "windows at most per plan")
-    halfwidth: float = opt(0.02, "stop a plan once its gain's 95% interval is within ±this")
+    max_windows: int = opt(ConfirmWindows.max_windows, "windows at most per plan")
+    halfwidth: float = opt(ConfirmWindows.halfwidth, "stop a plan once its gain's 95% interval is within ±this")
     device: str | None = opt(None, "cuda, cpu (default: the job's space's device)")
 
 
@@ -39,7 +40,6 @@ class Options:
       figures=("0000.5 What issue 27's targets read (Kendall tau over a whole study)",))
 def study_recheck(ns: Options, ctx: Context) -> dict[str, Any]:
     from erase_tune.errors import EraseTuneError
-    from erase_tune.measure.confirm import ConfirmWindows, confirm_plans
     from erase_tune.measure.trial import Budget
     from erase_tune.runtime import ErasePlan
     from erase_tune.store.storage import open_storage

@@ -29,8 +29,7 @@ from typing import Any
 import torch
 
 from erase_tune.errors import EraseTuneError
-from erase_tune.measure import ProtocolHooks, ProtocolResult, StopRule, measure_gains, provenance
-from erase_tune.measure.protocol import STOPS
+from erase_tune.measure import GainEstimate, ProtocolHooks, ProtocolResult, StopRule, measure_gains, provenance
 from erase_tune.runtime import ErasePlan
 from erase_tune.runtime.device import resolve_device
 from erase_tune.measure.trial import (
@@ -49,31 +48,50 @@ from erase_tune.workloads import Workload, WorkloadData
 __all__ = ["GAIN_OVER", "ConfirmWindows", "PlanConfirmation", "ConfirmResult", "baseline_plan", "confirm_plans"]
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True)
 class PlanConfirmation:
-    """One plan's confirmed gain over the baseline."""
+    """One plan's confirmed gain over the baseline: the protocol's estimate of it, or none for a
+    plan that is the baseline itself (not timed: its gain is 0, over no windows)."""
 
-    gain: float
-    """Mean over windows of the per-window gain (window-median QPS ratio over the baseline, minus 1)."""
-    lo: float
-    """Lower end of the 95% interval of that mean."""
-    hi: float
-    """Upper end of that interval."""
-    per_window: tuple[float, ...]
-    """The per-window gains, in window order (empty for the baseline itself)."""
-    windows: int
-    """Windows the plan was timed over (0: the baseline itself, not timed)."""
-    stopped: str
-    """Why its timing stopped: ``narrow`` (interval within ±halfwidth) or ``cap``; ``""`` for the baseline itself."""
-    is_baseline: bool = False
-    """The plan is the baseline itself: nothing to time, the gain is 0."""
+    estimate: GainEstimate | None
+    """The plan's gain over the baseline as the protocol measured it (its mean over windows of the
+    per-window gain, window-median QPS ratio over the baseline minus 1, with the 95% interval of
+    that mean); None for the baseline itself."""
 
-    def __post_init__(self) -> None:
-        if self.is_baseline != (self.windows == 0) or (self.stopped == "") != self.is_baseline:
-            raise ValueError("PlanConfirmation: the baseline itself has no windows and no stop reason; "
-                             "a timed plan has both")
-        if self.stopped and self.stopped not in STOPS:
-            raise ValueError(f"PlanConfirmation: stopped {self.stopped!r} is not one of {', '.join(STOPS)}")
+    @property
+    def is_baseline(self) -> bool:
+        """The plan is the baseline itself: nothing to time, the gain is 0."""
+        return self.estimate is None
+
+    @property
+    def gain(self) -> float:
+        """Mean over windows of the per-window gain (0 for the baseline itself)."""
+        return 0.0 if self.estimate is None else self.estimate.gain
+
+    @property
+    def lo(self) -> float:
+        """Lower end of the 95% interval of that mean (0 for the baseline itself)."""
+        return 0.0 if self.estimate is None else self.estimate.lo
+
+    @property
+    def hi(self) -> float:
+        """Upper end of that interval (0 for the baseline itself)."""
+        return 0.0 if self.estimate is None else self.estimate.hi
+
+    @property
+    def per_window(self) -> tuple[float, ...]:
+        """The per-window gains, in window order (empty for the baseline itself)."""
+        return () if self.estimate is None else self.estimate.per_window
+
+    @property
+    def windows(self) -> int:
+        """Windows the plan was timed over (0: the baseline itself, not timed)."""
+        return 0 if self.estimate is None else self.estimate.windows
+
+    @property
+    def stopped(self) -> str:
+        """Why its timing stopped: ``narrow`` (interval within ±halfwidth) or ``cap``; ``""`` for the baseline itself."""
+        return "" if self.estimate is None else self.estimate.stopped
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -192,11 +210,8 @@ def _confirmations(plans: Mapping[str, ErasePlan], same: Collection[str],
     out: dict[str, PlanConfirmation] = {}
     for name in plans:
         if name in same:
-            out[name] = PlanConfirmation(gain=0.0, lo=0.0, hi=0.0, per_window=(), windows=0, stopped="",
-                                         is_baseline=True)
+            out[name] = PlanConfirmation(None)
             continue
         assert measured is not None  # a plan that is not the baseline was timed
-        g = measured.gains[name]
-        out[name] = PlanConfirmation(gain=g.gain, lo=g.lo, hi=g.hi, per_window=g.per_window, windows=g.windows,
-                                     stopped=g.stopped)
+        out[name] = PlanConfirmation(measured.gains[name])
     return out

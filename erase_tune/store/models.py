@@ -148,7 +148,26 @@ class JobRow(Base):
     finished_at: Mapped[dt.datetime | None]
 
 
-class TrialOutcomeRow(Base):
+class _JobRecord:
+    """The columns of a row a job keeps as its history: the row's key, the job (its rows go
+    with it) and when the row was written. (``sort_order`` keeps a table's columns in the order
+    its migration creates them: these first and last, the table's own between.)"""
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, sort_order=-4)
+    job_id: Mapped[int] = mapped_column(ForeignKey("et_jobs.id", ondelete="CASCADE"), index=True, sort_order=-3)
+    created_at: Mapped[dt.datetime] = mapped_column(sort_order=2)
+
+
+class _TrialRecord(_JobRecord):
+    """The columns of a row about one trial's plan, measured: the trial, the plan as YAML and
+    the measurement's provenance."""
+
+    trial_number: Mapped[int] = mapped_column(Integer, sort_order=-2)
+    plan_yaml: Mapped[str] = mapped_column(Text, sort_order=-1)
+    provenance: Mapped[dict[str, Any]] = mapped_column(sort_order=1)
+
+
+class TrialOutcomeRow(_TrialRecord, Base):
     """What one trial's worker sent back beyond the scalar metrics (which live in the Optuna
     trial's user attributes): raw samples with their windows, provenance, the failure."""
 
@@ -159,10 +178,8 @@ class TrialOutcomeRow(Base):
         CheckConstraint(f"failure_kind IS NULL OR {_in('failure_kind', FAILURE_KINDS)}", name="failure_kind"),
     )
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    job_id: Mapped[int] = mapped_column(ForeignKey("et_jobs.id", ondelete="CASCADE"))
-    trial_number: Mapped[int] = mapped_column(Integer)
-    plan_yaml: Mapped[str] = mapped_column(Text)
+    # No index of its own: the unique (job_id, trial_number) serves the job's lookups.
+    job_id: Mapped[int] = mapped_column(ForeignKey("et_jobs.id", ondelete="CASCADE"), sort_order=-3)
     status: Mapped[str] = mapped_column(String(16))
     failure_kind: Mapped[str | None] = mapped_column(String(16))
     failure_reason: Mapped[str | None] = mapped_column(Text)
@@ -170,36 +187,26 @@ class TrialOutcomeRow(Base):
     attempts: Mapped[int] = mapped_column(Integer)
     node: Mapped[str | None] = mapped_column(String(256))
     samples: Mapped[dict[str, Any]]
-    provenance: Mapped[dict[str, Any]]
-    created_at: Mapped[dt.datetime]
 
 
-class ConfirmationRow(Base):
+class ConfirmationRow(_TrialRecord, Base):
     """A second measurement of a front plan against its baseline, made before export."""
 
     __tablename__ = "et_confirmations"
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    job_id: Mapped[int] = mapped_column(ForeignKey("et_jobs.id", ondelete="CASCADE"), index=True)
-    trial_number: Mapped[int] = mapped_column(Integer)
-    plan_yaml: Mapped[str] = mapped_column(Text)
     gain_over: Mapped[str] = mapped_column(String(16))
     windows: Mapped[int] = mapped_column(Integer)
     gain: Mapped[float] = mapped_column(Float)
     gain_lo: Mapped[float] = mapped_column(Float)
     gain_hi: Mapped[float] = mapped_column(Float)
     samples: Mapped[dict[str, Any]]
-    provenance: Mapped[dict[str, Any]]
-    created_at: Mapped[dt.datetime]
 
 
-class NoiseFloorRow(Base):
+class NoiseFloorRow(_JobRecord, Base):
     """The noise floor of a job's NE gap (erase_tune.measure.noise), measured once before its trials."""
 
     __tablename__ = "et_noise_floors"
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    job_id: Mapped[int] = mapped_column(ForeignKey("et_jobs.id", ondelete="CASCADE"), index=True)
     band: Mapped[float] = mapped_column(Float)
     ne_reference: Mapped[float] = mapped_column(Float)
     training_steps: Mapped[int] = mapped_column(Integer)
@@ -207,18 +214,13 @@ class NoiseFloorRow(Base):
     # {"gaps": [...], "kinds": [...]}: each perturbation's NE gap and what it was.
     gaps: Mapped[dict[str, Any]]
     provenance: Mapped[dict[str, Any]]
-    created_at: Mapped[dt.datetime]
 
 
-class QualityConfirmationRow(Base):
+class QualityConfirmationRow(_TrialRecord, Base):
     """A front plan trained again over several data orders before export: its NE gap with an interval."""
 
     __tablename__ = "et_quality_confirmations"
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    job_id: Mapped[int] = mapped_column(ForeignKey("et_jobs.id", ondelete="CASCADE"), index=True)
-    trial_number: Mapped[int] = mapped_column(Integer)
-    plan_yaml: Mapped[str] = mapped_column(Text)
     steps: Mapped[int] = mapped_column(Integer)
     seeds: Mapped[int] = mapped_column(Integer)
     ne_gap: Mapped[float] = mapped_column(Float)
@@ -226,8 +228,6 @@ class QualityConfirmationRow(Base):
     ne_gap_hi: Mapped[float] = mapped_column(Float)
     # {"per_seed": [...], "exact": bool, "band": float}: exact plans are not trained.
     detail: Mapped[dict[str, Any]]
-    provenance: Mapped[dict[str, Any]]
-    created_at: Mapped[dt.datetime]
 
 
 class BaselineRow(Base):
@@ -242,17 +242,14 @@ class BaselineRow(Base):
     created_at: Mapped[dt.datetime]
 
 
-class ExportRow(Base):
+class ExportRow(_JobRecord, Base):
     """A plan file written by ``erase-tune export``, with the plan text as it was written."""
 
     __tablename__ = "et_exports"
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    job_id: Mapped[int] = mapped_column(ForeignKey("et_jobs.id", ondelete="CASCADE"), index=True)
     optuna_trial_number: Mapped[int] = mapped_column(Integer)
     path: Mapped[str] = mapped_column(Text)
     plan_yaml: Mapped[str] = mapped_column(Text)
-    created_at: Mapped[dt.datetime]
 
 
 def include_name(name: str | None, type_: str, parent_names: Any) -> bool:

@@ -88,28 +88,12 @@ class Job:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class StoredOutcome:
-    """What one trial's worker sent back, beyond the scalar metrics Optuna keeps."""
+class _OfTrial:
+    """The keys the store adds to what a caller records of one trial's plan: its job and trial."""
 
     job_id: int
     trial_number: int
     """Optuna's trial number within the job's study."""
-    plan_yaml: str
-    """The candidate plan as YAML."""
-    status: OutcomeStatus
-    failure_kind: FailureKind | None
-    """``trial`` (the plan or workload failed) or ``infra`` (worker, node or environment)."""
-    failure_reason: str | None
-    traceback: str | None
-    """The worker's traceback of the failure, as it printed it."""
-    attempts: int
-    """Runs it took: infrastructure failures are retried."""
-    node: str | None
-    """The Ray node (ip/id) the last attempt ran on."""
-    samples: dict[str, Any]
-    """Per variant: ``{"steps_s": [...], "window": [...]}``, per-step seconds and their window."""
-    provenance: dict[str, Any]
-    created_at: dt.datetime
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -118,14 +102,31 @@ class OutcomeRecord:
     a :class:`StoredOutcome` without the keys and the time the store adds."""
 
     plan_yaml: str
+    """The candidate plan as YAML."""
     status: OutcomeStatus
     failure_kind: FailureKind | None = None
+    """``trial`` (the plan or workload failed) or ``infra`` (worker, node or environment)."""
     failure_reason: str | None = None
     traceback: str | None = None
+    """The worker's traceback of the failure, as it printed it."""
     attempts: int = 1
+    """Runs it took: infrastructure failures are retried."""
     node: str | None = None
+    """The Ray node (ip/id) the last attempt ran on."""
     samples: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """Per variant: ``{"steps_s": [...], "window": [...]}``, per-step seconds and their window."""
     provenance: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StoredOutcome(OutcomeRecord, _OfTrial):
+    """What one trial's worker sent back, beyond the scalar metrics Optuna keeps: its
+    :class:`OutcomeRecord` as stored, after the keys, with the store's copies of the JSON fields
+    and the time it was written."""
+
+    samples: dict[str, Any]
+    provenance: dict[str, Any]
+    created_at: dt.datetime
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -136,9 +137,12 @@ class ConfirmationRecord:
     plan_yaml: str
     gain_over: str
     windows: int
+    """Timed windows per variant in this measurement."""
     gain: float
+    """Median per-window p90-QPS gain over the baseline named by ``gain_over``."""
     gain_lo: float
     gain_hi: float
+    """The gain's 95% interval over windows."""
     samples: Mapping[str, Any]
     provenance: Mapping[str, Any]
 
@@ -150,31 +154,25 @@ class QualityRecord:
 
     plan_yaml: str
     steps: int
+    """Training steps of each run (a multiple of a trial's)."""
     seeds: int
     ne_gap: float
     ne_gap_lo: float
     ne_gap_hi: float
     per_seed: tuple[float, ...]
     exact: bool
+    """Exact by construction (no cuts): not trained, its gap is noise."""
     band: float
+    """The job's noise floor when this was made."""
     provenance: Mapping[str, Any]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Confirmation:
-    """A second look at a front plan: baseline and plan re-timed, interleaved, in one process."""
+class Confirmation(ConfirmationRecord, _OfTrial):
+    """A second look at a front plan: baseline and plan re-timed, interleaved, in one process.
+    Its :class:`ConfirmationRecord` as stored: after the keys, with the store's copies of the
+    JSON fields and the time it was written."""
 
-    job_id: int
-    trial_number: int
-    plan_yaml: str
-    gain_over: str
-    windows: int
-    """Timed windows per variant in this measurement."""
-    gain: float
-    """Median per-window p90-QPS gain over the baseline named by ``gain_over``."""
-    gain_lo: float
-    gain_hi: float
-    """The gain's 95% interval over windows."""
     samples: dict[str, Any]
     provenance: dict[str, Any]
     created_at: dt.datetime
@@ -206,23 +204,11 @@ class StoredNoiseFloor:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class QualityConfirmation:
-    """A front plan trained again over several data orders: its NE gap with a 95% interval."""
+class QualityConfirmation(QualityRecord, _OfTrial):
+    """A front plan trained again over several data orders: its NE gap with a 95% interval.
+    Its :class:`QualityRecord` as stored: after the keys, with the store's copy of the
+    provenance and the time it was written."""
 
-    job_id: int
-    trial_number: int
-    plan_yaml: str
-    steps: int
-    """Training steps of each run (a multiple of a trial's)."""
-    seeds: int
-    ne_gap: float
-    ne_gap_lo: float
-    ne_gap_hi: float
-    per_seed: tuple[float, ...]
-    exact: bool
-    """Exact by construction (no cuts): not trained, its gap is noise."""
-    band: float
-    """The job's noise floor when this was made."""
     provenance: dict[str, Any]
     created_at: dt.datetime
 
