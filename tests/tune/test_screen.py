@@ -5,6 +5,8 @@ first trials after the seeds are the screen's singles, with their phase shown by
 
 from __future__ import annotations
 
+import dataclasses
+
 import optuna
 import pytest
 import torch
@@ -193,6 +195,56 @@ def test_unions_of_the_gainers_only_after_every_single_has_a_result(bound):
     done = [*results, *(measured(u, 0.0) for u in unions)]
     assert screen.next(done) is None and screen.done(done) and screen.waiting(done) == []
     assert screen.stand(done).endswith(f"{len(unions)} of {len(unions)} unions measured (done)")
+
+
+def test_with_a_seed_that_gained_the_screen_changes_that_seed(bound):
+    both = ErasePlan(placements=(Placement(module="left", stream=1), Placement(module="right", stream=2)),
+                     num_streams=2)
+    # Another dispatch than the screen's own (the space's first, threaded): the screen cannot make it, no start.
+    blocking = ErasePlan(cuts=(Cut(module="emb", stream=1, aux_weight=0.5, graph=True),), num_streams=1)
+    seeded = dataclasses.replace(bound, seeds=[("both-placed", bound.params(both)),
+                                               ("blocking-cut", bound.params(blocking))])
+    screen = Screen(seeded)
+    key = both.canonical().dumps()
+
+    def seed(gain: float, state: str = MEASURED) -> list[PlanResult]:
+        return [PlanResult(plan_key=key, state=state, qps_gain=gain, ne_gap=0.0, feasible=True),
+                PlanResult(plan_key=blocking.canonical().dumps(), state=MEASURED, qps_gain=0.3, ne_gap=0.0,
+                           feasible=True)]
+
+    # While a seed runs the screen waits for it (the sampler may go on); a seed never asked does not count.
+    running = seed(0.0, RUNNING)
+    assert screen.next(running) is None and screen.waiting(running) == ["seed both-placed"]
+    assert screen.unions(running) is None and not screen.done(running) and "waits for the seeds" in screen.stand(running)
+    assert screen.next([]) == screen.singles[0]
+    # A seed that did not gain: the singles of the unchanged plan.
+    assert screen.next(seed(-0.01)) == screen.singles[0]
+
+    # A seed that gained: single changes to it; what it already holds is no change.
+    first = screen.next(seed(0.10))
+    singles = []
+    results = seed(0.10)
+    while (step := screen.next(results)) is not None and step.phase == SINGLE:
+        singles.append(step)
+        results.append(measured(step, {"cut left": 0.12, "graph tower": 0.11, "place tower": 0.105}.get(
+            step.name.removesuffix(" (in both-placed)"), 0.05)))
+    assert first == singles[0] and all(s.name.endswith(" (in both-placed)") for s in singles)
+    names = [s.name.removesuffix(" (in both-placed)") for s in singles]
+    assert names == ["whole-step graph", "graph left", "graph right", "graph tower", "graph tower.1", "graph top",
+                     "place tower", "place tower.1", "place top", "cut emb", "cut left", "cut right", "cut tower"]
+    by = dict(zip(names, singles))
+    # An element on a module the seed places replaces the placement; the rest of the seed stays.
+    assert by["cut left"].plan == ErasePlan(cuts=(Cut(module="left", stream=1, aux_weight=0.5, graph=True),),
+                                            placements=(Placement(module="right", stream=2),), num_streams=2,
+                                            dispatch="threaded").canonical()
+    assert by["place top"].plan.placements == (Placement(module="left", stream=1), Placement(module="right", stream=2),
+                                               Placement(module="top", stream=1))
+    # Unions of the changes that beat the seed's +10% (per module the best: tower graphed), into the seed.
+    assert [u.name for u in screen.unions(results)] == ["graph tower + cut left (in both-placed)"]
+    assert step == screen.unions(results)[0]
+    assert step.plan.graphs == (Graphed(module="tower"),) and step.plan.placements == (
+        Placement(module="right", stream=2),) and [c.module for c in step.plan.cuts] == ["left"]
+    assert screen.stand(results).startswith("screen (changes to seed both-placed, +10.00%): 13 of 13 singles measured")
 
 
 def test_a_union_the_space_refuses_costs_no_trial(bound):

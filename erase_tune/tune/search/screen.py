@@ -17,6 +17,14 @@ them first, in two stages:
   an earlier pick). Side-stream elements of a union each get their own side stream (cycling
   when there are fewer streams than elements), as each had one to itself when measured alone.
 
+**Where it starts.** Singles change the space's unchanged plan, unless the space's seeds hold
+a better start: once every seed has a result, the screen starts from the seed that gained most
+(within the NE budget), as an engineer with a working plan tries single changes to that plan.
+A single then puts its element into the seed (replacing the seed's element on an overlapping
+module: ``place m`` becomes ``cut m``), it "gained" when it beats the seed's gain, and unions
+join such changes into the seed. A seed the screen's fixed choices cannot make again (another
+dispatch, λ or per-cut graph) is no start. Until the seeds have results the screen waits.
+
 A plan the space cannot make (a mode the candidate does not have, a cut the detach guard
 refuses, a union outside the space) costs no trial: each screen plan is kept only if
 :meth:`BoundSpace.params` accepts it and :meth:`BoundSpace.plan` of those parameters makes
@@ -96,12 +104,26 @@ class ScreenStep:
         return self.plan.dumps()
 
 
+Element = Cut | Placement | Graphed
+
+
+@dataclasses.dataclass(frozen=True)
+class _Base:
+    """The plan the singles change: the space's unchanged plan (``seed`` None), or a seed."""
+
+    seed: str | None
+    key: str
+    """The base's canonical plan (how a seed's trial is found)."""
+    elements: tuple[Element, ...] = ()
+    whole: bool = False
+
+
 @dataclasses.dataclass(frozen=True)
 class _Single:
     """A single and the one element it adds (None: the whole-step graph)."""
 
     step: ScreenStep
-    element: Cut | Placement | Graphed | None
+    element: Element | None
     order: int
     """Its place in the screen (names of unions follow it)."""
 
@@ -119,52 +141,105 @@ class Screen:
         self._whole = False not in s.whole_step_graph  # the space offers only the whole-step graph
         self._fup = s.find_unused_parameters[0]
         self._rng = np.random.RandomState(0)  # key() needs one; a complete parameter set draws nothing
-        self.singles: tuple[ScreenStep, ...] = ()
-        """In screen order (see the module docstring)."""
-        self._singles: list[_Single] = []
-        base = self._plan([], whole=self._whole).dumps()  # the space's plan with nothing changed
-        seen = {base}
+        self._unchanged = _Base(None, self._plan([], whole=self._whole).dumps(), whole=self._whole)
+        self._seeds = [b for name, params in bound.seeds if (b := self._seed_base(name, params)) is not None]
+        """The seeds the screen may start from (module docstring)."""
+        self._singles_by: dict[str | None, list[_Single]] = {}
+        self.singles: tuple[ScreenStep, ...] = tuple(x.step for x in self._singles_of(self._unchanged))
+        """The singles of the space's unchanged plan, in screen order (a seed that gains may
+        replace them: :meth:`next`); what ``check`` lists and estimates count."""
+        self._made: dict[tuple[str | None, tuple[int, ...]], ScreenStep | None] = {}
+        """Each union built so far, by its base and singles: the driver asks on every admission."""
+
+    def _seed_base(self, name: str, params: dict[str, Any]) -> _Base | None:
+        """The seed as a base, if it changes something and the screen's fixed choices make it again."""
+        try:
+            key, _ = self.bound.key(params, self._rng)
+            plan = ErasePlan.loads(key)
+        except (SpaceError, PlanError):
+            return None
+        elements = (*plan.cuts, *plan.placements, *plan.graphs)
+        if key == self._unchanged.key or self._plan(elements, whole=plan.whole_step_graph).dumps() != key:
+            return None
+        return _Base(name, key, elements, plan.whole_step_graph)
+
+    def _singles_of(self, base: _Base) -> list[_Single]:
+        """The singles that change ``base`` (each kept once, if the space makes it)."""
+        if base.seed in self._singles_by:
+            return self._singles_by[base.seed]
+        out: list[_Single] = []
+        seen = {base.key}
         for name, element, whole in self._single_elements():
-            plan = self._plan([] if element is None else [element], whole=whole)
+            plan = self._plan(self._into(base, [] if element is None else [element]), whole=whole or base.whole)
             params = self._accept(plan)
             if params is None or plan.dumps() in seen:
                 continue
             seen.add(plan.dumps())
-            step = ScreenStep(phase=SINGLE, name=name, plan=plan, params=params)
-            self._singles.append(_Single(step, element, len(self._singles)))
-        self.singles = tuple(x.step for x in self._singles)
-        self._made: dict[tuple[int, ...], ScreenStep | None] = {}
-        """Each union built so far, by its singles: the driver asks on every admission."""
+            shown = name if base.seed is None else f"{name} (in {base.seed})"
+            out.append(_Single(ScreenStep(phase=SINGLE, name=shown, plan=plan, params=params), element, len(out)))
+        self._singles_by[base.seed] = out
+        return out
+
+    @staticmethod
+    def _into(base: _Base, elements: Sequence[Element]) -> list[Element]:
+        """``elements`` put into ``base``: its elements on modules they overlap give way."""
+        kept = [b for b in base.elements if not any(targets_overlap(b.module, e.module) for e in elements)]
+        return [*kept, *elements]
+
+    def base(self, results: Sequence[PlanResult]) -> tuple[_Base, float] | None:
+        """Where the screen starts, and that plan's gain: the seed with the best gain within the
+        NE budget when it gained, else the space's unchanged plan (gain 0); None while a seed
+        still runs (a seed the study never asked does not count)."""
+        state = _States(results)
+        best: tuple[_Base, float] = (self._unchanged, 0.0)
+        for seed in self._seeds:
+            r = state.by_key.get(seed.key)
+            if r is not None and r.state == RUNNING:
+                return None
+            if r is not None and r.state == MEASURED and r.feasible and r.qps_gain is not None and r.qps_gain > best[1]:
+                best = (seed, r.qps_gain)
+        return best
 
     # -- the driver's questions ------------------------------------------------------------------
 
     def next(self, results: Sequence[PlanResult]) -> ScreenStep | None:
         """The first screen plan the study has not measured, is not running and has not seen
-        fail; None when the screen is done, or while unions are due but a single still runs
-        (:meth:`waiting` names it)."""
-        state = _States(results)
-        for step in self.singles:
-            if state.of(step) is None:
-                return step
-        if any(state.of(step) == RUNNING for step in self.singles):
+        fail; None when the screen is done, or while a seed or (for the unions) a single still
+        runs (:meth:`waiting` names it)."""
+        where = self.base(results)
+        if where is None:
             return None
-        return next((u for u in self._unions(state) if state.of(u) is None), None)
+        state, singles = _States(results), self._singles_of(where[0])
+        for x in singles:
+            if state.of(x.step) is None:
+                return x.step
+        if any(state.of(x.step) == RUNNING for x in singles):
+            return None
+        return next((u for u in self._unions(state, *where) if state.of(u) is None), None)
 
     def waiting(self, results: Sequence[PlanResult]) -> list[str]:
-        """The singles still running while every other screen plan before the unions has a
-        result: the unions wait for them (empty when nothing waits)."""
+        """What the screen's next plan waits for: the seeds still running (before any single),
+        or the singles still running while every other one has a result (before the unions);
+        empty when nothing waits."""
+        where = self.base(results)
         state = _States(results)
-        if any(state.of(step) is None for step in self.singles):
+        if where is None:
+            return [f"seed {b.seed}" for b in self._seeds if (r := state.by_key.get(b.key)) and r.state == RUNNING]
+        singles = [x.step for x in self._singles_of(where[0])]
+        if any(state.of(step) is None for step in singles):
             return []
-        return [step.name for step in self.singles if state.of(step) == RUNNING]
+        return [step.name for step in singles if state.of(step) == RUNNING]
 
     def unions(self, results: Sequence[PlanResult]) -> list[ScreenStep] | None:
-        """The unions the singles' results call for, in screen order; None while a single has
-        no result yet."""
-        state = _States(results)
-        if any(state.of(step) in (None, RUNNING) for step in self.singles):
+        """The unions the singles' results call for, in screen order; None while a seed or a
+        single has no result yet."""
+        where = self.base(results)
+        if where is None:
             return None
-        return self._unions(state)
+        state = _States(results)
+        if any(state.of(x.step) in (None, RUNNING) for x in self._singles_of(where[0])):
+            return None
+        return self._unions(state, *where)
 
     def done(self, results: Sequence[PlanResult]) -> bool:
         """Whether every screen plan has a result (measured or failed)."""
@@ -176,8 +251,12 @@ class Screen:
 
     def stand(self, results: Sequence[PlanResult]) -> str:
         """Where the screen stands, one line: ``screen: 6 of 8 singles measured, 1 running; ...``."""
+        where = self.base(results)
+        if where is None:
+            return "screen: waits for the seeds' results (it may start from one)"
         state = _States(results)
-        of = [state.of(step) for step in self.singles]
+        of = [state.of(x.step) for x in self._singles_of(where[0])]
+        start = "" if where[0].seed is None else f" (changes to seed {where[0].seed}, {where[1]:+.2%})"
         parts = [f"{of.count(MEASURED)} of {len(of)} singles measured"]
         parts += [f"{of.count(k)} {k}" for k in (RUNNING, FAILED) if of.count(k)]
         unions = self.unions(results)
@@ -189,7 +268,7 @@ class Screen:
                 f", {uof.count(k)} {k}" for k in (RUNNING, FAILED) if uof.count(k))
             if all(x in (MEASURED, FAILED) for x in uof):
                 tail += " (done)"
-        return f"screen: {', '.join(parts)}; {tail}"
+        return f"screen{start}: {', '.join(parts)}; {tail}"
 
     def every_single(self) -> list[tuple[str, ErasePlan, bool]]:
         """``(name, plan, screened)`` of every single structural change the space's modes name,
@@ -208,7 +287,7 @@ class Screen:
 
     # -- building plans ---------------------------------------------------------------------------
 
-    def _single_elements(self, guarded: bool = True) -> Iterable[tuple[str, Cut | Placement | Graphed | None, bool]]:
+    def _single_elements(self, guarded: bool = True) -> Iterable[tuple[str, Element | None, bool]]:
         """(name, element, whole-step graph) of each single, in screen order, before any check
         (but the detach guard's, unless ``guarded`` is False)."""
         s, b = self.bound.space.cuts, self.bound
@@ -234,7 +313,7 @@ class Screen:
             return 1 + self.bound.candidates.index(candidate) % s.max_streams
         return 1 + k % s.max_streams
 
-    def _plan(self, elements: Sequence[Cut | Placement | Graphed], *, whole: bool) -> ErasePlan:
+    def _plan(self, elements: Sequence[Element], *, whole: bool) -> ErasePlan:
         """The canonical plan of ``elements`` with the space's fixed choices; side-stream
         elements (in candidate order) each get their own side stream."""
         s, order = self.bound.space.cuts, self.bound.candidates
@@ -264,54 +343,57 @@ class Screen:
         key, asked = self.bound.key(params, self._rng)
         return params if key == plan.dumps() and asked == params else None
 
-    def _unions(self, state: _States) -> list[ScreenStep]:
+    def _unions(self, state: _States, base: _Base, base_gain: float) -> list[ScreenStep]:
         """Pairs of gainers, best sum of gains first, then all of them (module docstring)."""
+        singles = self._singles_of(base)
         gain: dict[int, float] = {}
         best: dict[str | None, _Single] = {}  # per module its best-gain element
-        for x in self._singles:
+        for x in singles:
             r = state.result(x.step)
-            if r is None or r.state != MEASURED or not r.feasible or r.qps_gain is None or r.qps_gain <= 0:
+            if r is None or r.state != MEASURED or not r.feasible or r.qps_gain is None or r.qps_gain <= base_gain:
                 continue
-            gain[x.order] = r.qps_gain
-            if x.module not in best or r.qps_gain > gain[best[x.module].order]:
+            gain[x.order] = r.qps_gain - base_gain
+            if x.module not in best or r.qps_gain - base_gain > gain[best[x.module].order]:
                 best[x.module] = x
         gainers = sorted(best.values(), key=lambda x: (-gain[x.order], x.order))
         out: list[ScreenStep] = []
-        seen = {x.step.key for x in self._singles}
+        seen = {x.step.key for x in singles} | {base.key}
         pairs = [(a, b) for a, b in itertools.combinations(gainers, 2) if not _overlap(a, b)]
         pairs.sort(key=lambda p: (-(gain[p[0].order] + gain[p[1].order]), *sorted((p[0].order, p[1].order))))
         for pair in pairs:
-            if (step := self._union(pair)) is not None and step.key not in seen:
+            if (step := self._union(base, pair)) is not None and step.key not in seen:
                 seen.add(step.key)
                 out.append(step)
         picks: list[_Single] = []
         for x in gainers:
             if any(_overlap(x, p) for p in picks):
                 continue
-            if len(picks) < 1 or self._union([*picks, x]) is not None:  # the space must make the union
+            if len(picks) < 1 or self._union(base, [*picks, x]) is not None:  # the space must make the union
                 picks.append(x)
-        if len(picks) > 2 and (step := self._union(picks)) is not None and step.key not in seen:
+        if len(picks) > 2 and (step := self._union(base, picks)) is not None and step.key not in seen:
             out.append(step)
         return out
 
-    def _union(self, parts: Sequence[_Single]) -> ScreenStep | None:
-        """The union of ``parts`` as a screen step, or None when the space cannot make it."""
+    def _union(self, base: _Base, parts: Sequence[_Single]) -> ScreenStep | None:
+        """The union of ``parts`` (put into ``base``) as a screen step, or None when the space cannot make it."""
         parts = sorted(parts, key=lambda x: x.order)
-        key = tuple(x.order for x in parts)
+        key = (base.seed, tuple(x.order for x in parts))
         if key not in self._made:
-            self._made[key] = self._make_union(parts)
+            self._made[key] = self._make_union(base, parts)
         return self._made[key]
 
-    def _make_union(self, parts: Sequence[_Single]) -> ScreenStep | None:
-        whole = self._whole or any(x.element is None for x in parts)
+    def _make_union(self, base: _Base, parts: Sequence[_Single]) -> ScreenStep | None:
+        whole = self._whole or base.whole or any(x.element is None for x in parts)
         try:
-            plan = self._plan([x.element for x in parts if x.element is not None], whole=whole)
+            plan = self._plan(self._into(base, [x.element for x in parts if x.element is not None]), whole=whole)
         except PlanError:
             return None
         params = self._accept(plan)
         if params is None:
             return None
-        return ScreenStep(phase=UNION, name=" + ".join(x.step.name for x in parts), plan=plan, params=params)
+        names = " + ".join(x.step.name.removesuffix(f" (in {base.seed})") for x in parts)
+        return ScreenStep(phase=UNION, name=names if base.seed is None else f"{names} (in {base.seed})",
+                          plan=plan, params=params)
 
 
 def _overlap(a: _Single, b: _Single) -> bool:
