@@ -24,6 +24,12 @@ def test_trial_table_and_json(tmp_path, capsys):
     assert len(timing) == 1 and timing[0].endswith(": 2-20 windows of 3 steps each, until each gain's 95% interval "
                                                    "is within ±3%; Ctrl-C stops"), err
     assert all(name in timing[0] for name in ("baseline", "candidate", "detach_only")), timing
+    # ... and so before the warm-up and the training on for NE (--warmup or --quality-steps 1000000 are hours)
+    warming = [line for line in err.splitlines() if line.startswith("warming up ")]
+    assert len(warming) == 1 and warming[0].endswith(": 5 steps each before timing; Ctrl-C stops"), err
+    training = [line for line in err.splitlines() if line.startswith("training ")]
+    assert len(training) == 1 and " for held-out NE; Ctrl-C stops" in training[0], err
+    assert err.index(warming[0]) < err.index(timing[0]) < err.index(training[0])
     for needle in ("baseline", "candidate", "detach_only", "gain p90", "NE gap", "of which work removed"):
         assert needle in out, out
     assert main(["trial", "--workload", "ctr", *TINY, "--plan", str(plan), "--device", "cpu", *BUDGET, "--json"]) == 0

@@ -225,6 +225,8 @@ def measure_gains(
         if after_warmup is not None:
             after_warmup()
 
+    if warmup_steps:  # --warmup 1000000 is hours: say what runs before the first window
+        log.info(f"warming up {', '.join(runners)} in turn: {warmup_steps:,} steps each before timing; Ctrl-C stops")
     samples, labels = interleave(runners, clock, device=device, steps=steps, windows=rule.max_windows,
                                  after_warmup=warmed_up, after_round=race.after_round)
     next_steps = {n: start_step + warmup_steps + race.rounds_run[n] * window_steps for n in runners}

@@ -41,6 +41,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
+import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -66,6 +67,8 @@ from erase_tune.runtime.device import resolve_device
 from erase_tune.runtime.losscheck import check_loss
 from erase_tune.workloads import Workload, WorkloadData
 from erase_tune.workloads.limits import MAX_SEED
+
+log = logging.getLogger("erase_tune.measure")
 
 __all__ = ["Budget", "Ranking", "VariantResult", "TrialResult", "TrialFailed", "run_trial", "build_engine", "Variant",
            "jsonable_args",
@@ -603,7 +606,10 @@ def _train_for_quality(workload: Workload, variants: Mapping[str, Variant], meas
     each task's into ``per_task``, by variant)."""
     quality = list(variants)
     # On to the same training length whatever the timing ran: NE compares across trials.
-    for step in range(min(measured.next_steps[n] for n in quality), training_steps):
+    first = min(measured.next_steps[n] for n in quality)
+    if training_steps > first:  # --quality-steps 1000000 is hours: say what runs
+        log.info(f"training {', '.join(quality)} on to step {training_steps:,} for held-out NE; Ctrl-C stops")
+    for step in range(first, training_steps):
         for name in quality:
             if step >= measured.next_steps[name]:
                 variants[name](step)
