@@ -97,6 +97,18 @@ def test_a_cpu_case_runs_to_one_json_with_provenance(tmp_path, capsys):
     assert "mlp_backward: wrote" in (tmp_path / "mlp_backward.log").read_text()
 
 
+def test_a_cases_arg_values_are_read_as_the_clis_are(tmp_path, capsys):
+    """--arg of a case goes through the CLI's bounded reader: one line for what it refuses, and
+    ``1e-3`` a float (plain YAML 1.1 made it a string)."""
+    deep = "x=" + "[" * 300 + "]" * 300
+    assert main(["mlp_backward", "--out", str(tmp_path), "--device", "cpu", "--arg", deep]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "mlp_backward: --arg x: nested more than 32 levels deep"
+    assert main(["mlp_backward", "--out", str(tmp_path), "--device", "cpu", "--arg", "batch"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "mlp_backward: --arg: 'batch' is not KEY=VALUE"
+    from erase_tune.workloads import workload_args
+    assert workload_args(["lr=1e-3", "mlp=512-256"]) == {"lr": 1e-3, "mlp": "512-256"}
+
+
 def test_two_cases_in_one_run_each_take_their_options(tmp_path, capsys):
     dst = tmp_path / "space.yaml"
     rc = main(["campaign_space", "sampler_efficiency", "--out", str(tmp_path), "--tag", "t", "--dst", str(dst),

@@ -19,6 +19,7 @@ import yaml
 
 from erase_tune.benchmarks.case import Context, case, opt
 from erase_tune.runtime import ErasePlan
+from erase_tune.workloads import workload_args
 
 
 @dataclasses.dataclass
@@ -43,9 +44,7 @@ def campaign_space(a: Options, ctx: Context) -> dict[str, Any]:
     dst = a.dst or str(ctx.path(".yaml"))
     data = yaml.safe_load(Path(a.src).read_text())
     data["workload"]["args"]["batch"] = a.batch
-    for kv in a.arg:
-        key, _, value = kv.partition("=")
-        data["workload"]["args"][key] = yaml.safe_load(value)
+    data["workload"]["args"].update(workload_args(a.arg))
     data["max_ne_gap"] = a.max_ne_gap
     data["trials"] = a.trials
     data["cuts"]["whole_step_graph"] = [True]

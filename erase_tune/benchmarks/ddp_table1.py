@@ -57,6 +57,7 @@ import torch
 from erase_tune.benchmarks.case import CaseError, Context, case, opt
 from erase_tune.measure.trial import Budget, TrialFailed
 from erase_tune.runtime import Cut, ErasePlan, Placement
+from erase_tune.workloads import workload_args
 
 SUBARCHS = tuple(f"subarchs.{i}" for i in range(6))
 STREAMS = 4
@@ -248,8 +249,6 @@ class Options:
       description="the ERASE paper's Table 1 structure on the CTR proxy, data parallel over the visible GPUs",
       figures=("0.9 Owed from this campaign (the two-GPU Table 1; suite c)",))
 def ddp_table1(ns: Options, ctx: Context) -> dict[str, Any]:
-    import yaml
-
     argv = list(ctx.argv)
     unknown = [k for k in ns.variants.split(",") if k.strip() and k.strip() not in variants()]
     if unknown:
@@ -266,12 +265,7 @@ def ddp_table1(ns: Options, ctx: Context) -> dict[str, Any]:
         raise CaseError("--ranks must be >= 1")
     budget = Budget(warmup_steps=ns.warmup_steps, windows=ns.windows, window_steps=ns.window_steps,
                     quality_steps=ns.quality_steps, seed=ns.seed)  # refuses a bad budget before spawning
-    overrides = {}
-    for pair in ns.arg:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise CaseError(f"--arg: {pair!r} is not KEY=VALUE")
-        overrides[key] = yaml.safe_load(value)
+    overrides = workload_args(ns.arg)
     args = {**CTR_ARGS, "train_batches": ranks * budget.training_steps, **overrides}
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # before any rank initialises NCCL (the children inherit it)
     os.environ["MASTER_ADDR"] = "127.0.0.1"

@@ -28,7 +28,7 @@ import yaml
 from erase_tune.benchmarks.case import ROOT, Context, case, opt
 from erase_tune.runtime import Cut, EraseEngine, ErasePlan
 from erase_tune.runtime.device import resolve_device
-from erase_tune.workloads import get_workload
+from erase_tune.workloads import get_workload, workload_args
 
 PIECES = ("layers.0:11", "layers.11:21")
 
@@ -60,7 +60,7 @@ class Options:
 def mlp_backward(ns: Options, ctx: Context) -> dict[str, Any]:
     device = resolve_device(ns.device)
     space = yaml.safe_load(ROOT.joinpath("search_spaces", "mlp.yaml").read_text())
-    args = {**space["workload"]["args"], **{k: yaml.safe_load(v) for k, _, v in (a.partition("=") for a in ns.arg)}}
+    args = {**space["workload"]["args"], **workload_args(ns.arg)}
     wl = get_workload("mlp", args)
     torch.manual_seed(0)
     data = wl.make_data(device)

@@ -34,12 +34,11 @@ import math
 import time
 from typing import TYPE_CHECKING, Any
 
-import yaml
 
 from erase_tune.benchmarks.case import ROOT, Context, case, opt
 from erase_tune.measure.noise import QualitySettings, confirm_quality, exact_by_construction, feasible, measure_noise_floor
 from erase_tune.measure.trial import Budget
-from erase_tune.workloads import BUILTINS, get_workload
+from erase_tune.workloads import BUILTINS, get_workload, workload_args
 
 if TYPE_CHECKING:
     from erase_tune.tune.search.space import SearchSpace
@@ -126,7 +125,7 @@ def rank_agreement(ns: Options, record: dict[str, Any], ctx: Context, started: f
 
     file, overrides = SPACES[ns.rank_space]
     space = SearchSpace.load(ROOT / "search_spaces" / _file(file, ns.smoke))
-    extra = {k: yaml.safe_load(v) for k, _, v in (a.partition("=") for a in ns.rank_arg)}
+    extra = workload_args(ns.rank_arg)
     args = {**space.workload.args, **overrides, **extra}
     space = dataclasses.replace(space, workload=dataclasses.replace(space.workload, args=args))
     workload = get_workload(space.workload.name, space.workload.args)

@@ -20,12 +20,11 @@ import dataclasses
 import itertools
 from typing import TYPE_CHECKING, Any
 
-import yaml
 
 from erase_tune.benchmarks.case import Context, case, opt
 from erase_tune.measure.trial import Budget, run_trial
 from erase_tune.runtime import ErasePlan
-from erase_tune.workloads import get_workload
+from erase_tune.workloads import get_workload, workload_args
 
 if TYPE_CHECKING:
     from erase_tune.tune.search.space import SearchSpace
@@ -88,7 +87,7 @@ def rank_agreement(ns: Options, ctx: Context) -> dict[str, Any]:
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     space = SearchSpace.load(ns.space)
-    args = {**space.workload.args, **{k: yaml.safe_load(v) for k, _, v in (a.partition("=") for a in ns.arg)}}
+    args = {**space.workload.args, **workload_args(ns.arg)}
     space = dataclasses.replace(space, workload=dataclasses.replace(space.workload, args=args))
     workload = get_workload(space.workload.name, args)
     short = space.budget.per_trial

@@ -33,7 +33,7 @@ from erase_tune.measure.confirm import baseline_plan
 from erase_tune.measure.trial import Budget, Variant, build_engine, jsonable_args, release
 from erase_tune.runtime import ErasePlan
 from erase_tune.runtime.device import resolve_device
-from erase_tune.workloads import get_workload
+from erase_tune.workloads import get_workload, workload_args
 
 REPLAY_SPACE = "search_spaces/ctr-replay.yaml"
 """The finite CTR space the shipped replay table covers."""
@@ -124,14 +124,12 @@ def replay_table(ns: Options, ctx: Context) -> dict[str, Any]:
         ctx.path(".table.json").write_text(json.dumps(merged, indent=1))  # what ReplayTable.load reads
         return {**merged, "table": f"{ctx.path('.table.json')}: {len(plans)} plans, {len(ne)} detached sets "
                                    f"(merged from {len(parts)} files)"}
-    import yaml
-
     from erase_tune.tune.search.checks import check_space
     from erase_tune.tune.search.replay import space_plans
     from erase_tune.tune.search.space import SearchSpace
 
     space = SearchSpace.load(ns.space)
-    overrides = {k: yaml.safe_load(v) for k, _, v in (a.partition("=") for a in ns.arg)}
+    overrides = workload_args(ns.arg)
     if overrides:
         space = dataclasses.replace(space, workload=dataclasses.replace(space.workload,
                                                                         args={**space.workload.args, **overrides}))

@@ -6,7 +6,9 @@ tables, :class:`~erase_tune.store.Store`) runs through a :class:`Retrier`: a los
 locked database or a restarting server is retried with backoff for up to
 ``$ERASE_TUNE_STORAGE_RETRY_S`` seconds (default 60); then, or at once for a read-only
 database, the call raises :class:`StorageLost` (one line naming the storage, what was being
-done and the database's own message; the CLI's exit code 3). Callers therefore call the
+done and the database's own message; the CLI's exit code 3). An error no wait can mend (a
+missing table or column, a file that is not a database: :data:`PERMANENT`) is not retried: it
+raises :class:`StorageBroken` at once (one line; exit code 2). Callers therefore call the
 storage directly and never wrap a call in a retry of their own.
 
 A retried call must be safe to repeat. Reads are; so are upserts and attribute writes. A plain
@@ -38,7 +40,7 @@ from erase_tune._env import RETRY_ENV, env_seconds
 from erase_tune.errors import EraseTuneError
 from erase_tune.store.engine import masked_line
 
-__all__ = ["RETRY_ENV", "StorageLost", "UncertainCommit", "Retrier", "retrying", "retried", "cause"]
+__all__ = ["RETRY_ENV", "PERMANENT", "StorageLost", "StorageBroken", "UncertainCommit", "Retrier", "retrying", "retried", "cause"]
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -50,6 +52,16 @@ class StorageLost(EraseTuneError):
     """The storage stayed unreachable or unwritable through every retry."""
 
     exit_code = 3
+
+
+class StorageBroken(EraseTuneError):
+    """The storage answered with an error that waiting cannot mend (a missing table or column,
+    a file that is not a database): refused at once, not retried as if it were away."""
+
+
+PERMANENT = ("no such table", "no such column", "has no column named", "does not exist", "file is not a database",
+             "database disk image is malformed")
+"""The database's own words for errors no retry can mend (SQLite's and PostgreSQL's)."""
 
 
 class UncertainCommit(SQLAlchemyError):
@@ -69,6 +81,9 @@ def retrying(what: str, fn: Callable[[], T], *, url: str, parsed: URL | None = N
             return fn()
         except (SQLAlchemyError, optuna.exceptions.StorageInternalError) as e:
             why = cause(e, parsed)
+            if any(w in why.lower() for w in PERMANENT):
+                raise StorageBroken(f"storage {url}: {why} (while {what}; not retried: waiting cannot mend it; "
+                                    "`erase-tune db current` says where its erase-tune tables stand)") from None
             repeat_unsafe = not idempotent and isinstance(e, UncertainCommit)
             if repeat_unsafe or "readonly" in why.replace(" ", "").lower() or time.monotonic() + delay > deadline:
                 raise StorageLost(f"storage {url} lost while {what}: {why}") from None

@@ -139,7 +139,9 @@ class ConfirmationRecord:
     windows: int
     """Timed windows per variant in this measurement."""
     gain: float
-    """Median per-window p90-QPS gain over the baseline named by ``gain_over``."""
+    """The gain over the baseline named by ``gain_over`` as the confirmation measured it (now the
+    mean over windows of the per-window gain; rows from before the interleaved protocol hold the
+    median per-window p90-QPS gain)."""
     gain_lo: float
     gain_hi: float
     """The gain's 95% interval over windows."""

@@ -11,7 +11,7 @@ import pytest
 from optuna.trial import TrialState
 from sqlalchemy.exc import OperationalError
 
-from erase_tune.store.retry import RETRY_ENV, StorageLost, UncertainCommit
+from erase_tune.store.retry import RETRY_ENV, StorageBroken, StorageLost, UncertainCommit
 from erase_tune.store.storage import open_storage
 
 
@@ -125,3 +125,23 @@ def test_an_uncertain_commit_is_a_sqlalchemy_error():
     from sqlalchemy.exc import SQLAlchemyError
 
     assert issubclass(UncertainCommit, SQLAlchemyError)  # code that catches storage errors still does
+
+
+@pytest.mark.parametrize("message", ["no such table: trials", 'relation "trials" does not exist',
+                                     "file is not a database"])
+def test_an_error_no_wait_can_mend_is_refused_at_once_not_retried_as_unreachable(db, monkeypatch, message):
+    monkeypatch.setenv(RETRY_ENV, "60")  # a retry would wait out this; the refusal comes at once
+    study = optuna.create_study(storage=db.optuna, study_name="s", directions=["maximize", "minimize"])
+    real, calls = db.optuna.rdb._get_trials, []
+
+    def broken(*a, **k):
+        calls.append(1)
+        raise OperationalError("SELECT", {}, sqlite3.OperationalError(message))
+
+    monkeypatch.setattr(db.optuna.rdb, "_get_trials", broken)
+    with pytest.raises(StorageBroken) as e:
+        study.get_trials()
+    assert len(calls) == 1 and "\n" not in str(e.value)
+    assert str(e.value).startswith(f"storage sqlite:///") and message in str(e.value) and "not retried" in str(e.value)
+    monkeypatch.setattr(db.optuna.rdb, "_get_trials", real)
+    assert study.get_trials() == []
