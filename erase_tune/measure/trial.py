@@ -73,7 +73,7 @@ log = logging.getLogger("erase_tune.measure")
 __all__ = ["Budget", "Ranking", "VariantResult", "TrialResult", "TrialFailed", "run_trial", "build_engine", "Variant",
            "jsonable_args",
            "release", "reference_capture_error", "capture_error", "UNKNOWN", "BASELINE"]
-__all__ += ["task_gaps", "check_workload_loss", "MAX_REPEATS", "GAIN_OVER", "exact_by_construction", "gradient_difference",
+__all__ += ["passes_note", "task_gaps", "check_workload_loss", "MAX_REPEATS", "GAIN_OVER", "exact_by_construction", "gradient_difference",
             "agree_with_rank0", "EXACT_RTOL", "prepare"]
 
 GRAPH_WARMUP = 3
@@ -450,6 +450,19 @@ def _trial_provenance(workload: Workload, budget: Budget, device: torch.device, 
         # > 1 means batches were re-read; a CTR proxy over-fits on a second pass, so NE is then suspect.
         data_passes=round(trained * world / len(data.train), 3),
     )
+
+
+def passes_note(prov: Mapping[str, Any]) -> str | None:
+    """What a trial's provenance ``data_passes`` above 1 means, one phrase with the remedy in the
+    words of the workload's arguments (None when training read each batch at most once)."""
+    passes = prov.get("data_passes")
+    if not isinstance(passes, (int, float)) or isinstance(passes, bool) or passes <= 1:
+        return None
+    args = prov.get("workload_args") or {}
+    more = ("raise the workload's train_batches" if "train_batches" in args  # the built-ins
+            else "give the workload more training batches than the trial takes steps")
+    return (f"training read its batches {passes:.1f} times ({more} for one pass; a second pass can over-fit "
+            "and skew NE)")
 
 
 def _time_variants(variants: Mapping[str, Variant], budget: Budget, device: torch.device,

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import optuna
 import pytest
@@ -108,3 +111,47 @@ def test_three_drivers_beside_cpu_burners(pg_url, tmp_path):
         rows = conn.execute(text("SELECT trial_number, status FROM et_trial_outcomes")).all()
     engine.dispose()
     assert sorted(n for n, status in rows if status == "complete") == sorted(t.number for t in measured), rows
+
+
+@pytest.mark.load
+def test_three_drivers_share_one_two_cpu_ray_cluster(pg_url, tmp_path):
+    """3 drivers of one study join one Ray cluster of 2 CPUs (``ray start --head``) with a trial
+    slot of 1 CPU each: two run, the third waits for a CPU (and says so) until a slot is given
+    back; every driver exits 0 without a traceback, exactly the study's 4 trials are measured,
+    no plan twice, and no CPU stays held once they are gone."""
+    from tests.tune.test_ray_cluster import ENV, _free_port, _ray_start
+
+    port = _free_port()
+    head = _ray_start(["--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false"], tmp_path / "head.log")
+    gcs = f"127.0.0.1:{port}"
+    try:
+        code = "import ray; ray.init(address=%r, logging_level='error'); print(ray.cluster_resources().get('CPU'))"
+        deadline = time.monotonic() + 180
+        while subprocess.run([sys.executable, "-c", code % gcs], env=ENV, capture_output=True, text=True,
+                             timeout=120).stdout.strip().splitlines()[-1:] != ["2.0"]:
+            assert head.poll() is None and time.monotonic() < deadline, (tmp_path / "head.log").read_text()[-3000:]
+            time.sleep(1)
+        space = write_space(tmp_path / "shared.yaml", trials=4, budget={"timeout_s": 300})
+        env = {**ENV, "ERASE_TUNE_JOURNAL_DIR": str(tmp_path / "journal")}
+        argv = [sys.executable, "-m", "erase_tune", "start", "--space", str(space), "--study", "shared", "--storage",
+                pg_url, "--ray-address", gcs, "--slots", "1", "--no-confirm"]
+        procs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for _ in range(3)]
+        done = [(p.wait(timeout=600), *p.communicate()) for p in procs]
+        for rc, out, err in done:
+            assert rc == 0 and "Traceback" not in err, err[-3000:]
+        assert any("waiting for 1 CPU(s) on one node to start trial workers" in err for _, _, err in done), \
+            [err[-1500:] for _, _, err in done]
+        trials = optuna.load_study(study_name="shared", storage=pg_url).get_trials()
+        assert not [t for t in trials if t.state == TrialState.RUNNING]
+        measured = [t for t in trials if t.state == TrialState.COMPLETE and "duplicate_of" not in t.user_attrs]
+        assert len(measured) == 4 and len({t.user_attrs["plan_key"] for t in measured}) == 4
+        code = "import ray; ray.init(address=%r, logging_level='error'); print(ray.available_resources().get('CPU'))"
+        free = subprocess.run([sys.executable, "-c", code % gcs], env=ENV, capture_output=True, text=True, timeout=120)
+        assert free.stdout.strip().splitlines()[-1:] == ["2.0"], free.stdout + free.stderr
+    finally:
+        os.killpg(head.pid, signal.SIGKILL)  # the whole group: raylet, GCS, workers
+        head.wait(timeout=30)
+        current = Path("/tmp/ray/ray_current_cluster")  # (what `ray start` left for address="auto")
+        if current.exists():
+            current.unlink()

@@ -318,7 +318,10 @@ def test_a_job_measures_the_screens_singles_first(ray_cluster, tmp_path, capsys)
     assert [t.user_attrs.get(Attr.SCREEN_NAME) for t in trials] == [
         None, "place subarchs.0", "place subarchs.1", "place subarchs.2", "cut subarchs.0"]
     assert trials[4].user_attrs[Attr.PLAN]["cuts"][0]["module"] == "subarchs.0"
-    capsys.readouterr()
+    # Its 8 training batches are read again and again: said once, with the first trial trained for NE (the cut).
+    err = capsys.readouterr().err
+    assert err.count("read its batches") == 1 and "trial 4: training read its batches" in err, err
+    assert "raise the workload's train_batches for one pass" in err
     assert run_cli("status", "--study", "screen", "--storage", url) == 0
     out = capsys.readouterr().out
     assert "phases: 1 seed, 4 screen-single" in out and "screen: 4 singles measured; 0 unions measured" in out

@@ -81,3 +81,13 @@ def test_the_campaign_variant_of_ctr_loads_with_exported_plans_as_seeds(tmp_path
     assert names == ["all-placed", "whole-step-graph-all-six"] + [f"from-{p.stem}" for p in plans]
     assert all(s.plan.whole_step_graph for s in space.seeds)
     assert len(check_space(space).seeds) == len(space.seeds)
+
+
+@pytest.mark.parametrize("path", [p for p in SPACES if p.stem in ("ctr", "ctr-ddp", "dlrm", "deepfm")],
+                         ids=lambda p: p.stem)
+def test_the_click_models_train_one_pass_over_their_batches(path):
+    """A CTR model over-fits on a second pass (NE above 1 on an H100 once ctr.yaml's trials grew to 708
+    steps over 512 batches, and a noise floor of ±23%): the GPU click spaces hold more training
+    batches than every rank of a trial takes steps at most (the sequential protocol's cap included)."""
+    space = SearchSpace.load(path)
+    assert space.budget.per_trial.training_steps * space.gpus_per_trial <= space.workload.args["train_batches"]

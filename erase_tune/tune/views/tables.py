@@ -7,7 +7,7 @@ lives in one place.
 from __future__ import annotations
 
 from erase_tune.measure.noise import NoiseFloor
-from erase_tune.measure.trial import TrialResult
+from erase_tune.measure.trial import TrialResult, passes_note
 from erase_tune.tune.run.job import JobSummary
 from erase_tune.tune.run.loop import Progress
 
@@ -60,20 +60,11 @@ def trial_table(result: TrialResult, floor: NoiseFloor | None = None) -> str:
         lines.append(f"vs whole-step-graph baseline: {result.gain_vs_reference:+.2%}")
     if result.reference_error is not None:
         lines.append(f"whole-step-graph baseline left out: {result.reference_error}")
-    if prov.get("data_passes", 0) > 1:
-        lines.append(f"note: training read its batches {prov['data_passes']:.1f} times ({_more_batches(prov)} "
-                     "for one pass; a second pass can over-fit and skew NE)")
+    if (note := passes_note(prov)) is not None:
+        lines.append(f"note: {note}")
     if floor is not None:
         lines.append(noise_line(floor, result.ne_gap, exact=result.exact))
     return "\n".join(lines)
-
-
-def _more_batches(prov: dict) -> str:
-    """How to give training more batches, in the words of the workload's own arguments."""
-    args = prov.get("workload_args") or {}
-    if "train_batches" in args:  # the built-ins
-        return "raise the workload's train_batches"
-    return "give the workload more training batches than the trial takes steps"
 
 
 def noise_line(floor: NoiseFloor, ne_gap: float | None = None, *, exact: bool = False) -> str:
