@@ -53,6 +53,9 @@ and up to ~15 s on a loaded machine, where a refusal found while starting (a pac
 did not travel) must stay the command's only line; a real wait lasts up to ``--gpu-wait``."""
 WAIT_REPEAT_S = 60.0
 """How often a continuing wait is logged again."""
+LACK_SAID_AFTER_S = 2.0
+"""A group still waiting for its resources after this long, while the cluster has fewer free than
+it needs (other jobs hold them), is a wait said at once, not after :data:`WAIT_SAID_AFTER_S`."""
 MAX_UPLOAD_MB = 256.0
 """Default bound on what ``working_dir`` and ``py_modules`` ship to the workers, together
 (``$ERASE_TUNE_MAX_UPLOAD_MB`` changes it): Ray zips and uploads it, silently, for every job;
@@ -146,6 +149,7 @@ class RayExecutor:
         self._groups = [self._new_group() for _ in range(self.slots)]
         self._since_ready = time.monotonic()
         self._wait_said: float | None = None
+        self._lack_asked = 0.0
         self.worker_start_s: list[float] = []
         """Seconds each worker group took from creation to ready (once per slot, and after failures)."""
 
@@ -177,9 +181,21 @@ class RayExecutor:
             raise EraseTuneError(f"waited {self.gpu_wait_s:.0f}s for {what} for a trial; the cluster has "
                                  f"{int(have.get('GPU', 0))} GPUs and {int(have.get('CPU', 0))} CPUs "
                                  "(add GPU workers, or raise --gpu-wait)")
-        elif time.monotonic() - self._since_ready > WAIT_SAID_AFTER_S:
+        elif (waited := time.monotonic() - self._since_ready) > WAIT_SAID_AFTER_S or (
+                waited > LACK_SAID_AFTER_S and self._wait_said is None and self._lacking()):
             self._say_waiting()
         return ready
+
+    def _lacking(self) -> bool:
+        """Whether a group waits for resources the cluster does not have free now (asked at most
+        once a second): a wait for other jobs, not a slow start."""
+        now = time.monotonic()
+        if now - self._lack_asked < 1.0:
+            return False
+        self._lack_asked = now
+        need = "GPU" if self.use_gpu else "CPU"
+        return any(g.state == "placing" for g in self._groups) and \
+            self._ray.available_resources().get(need, 0) < self.gpus_per_trial
 
     def _say_waiting(self) -> None:
         """Log what a trial waits for, how long at most and how to stop, when the wait begins
