@@ -7,8 +7,8 @@ locked database or a restarting server is retried with backoff for up to
 ``$ERASE_TUNE_STORAGE_RETRY_S`` seconds (default 60); then, or at once for a read-only
 database, the call raises :class:`StorageLost` (one line naming the storage, what was being
 done and the database's own message; the CLI's exit code 3). An error no wait can mend (a
-missing table or column, a file that is not a database: :data:`PERMANENT`) is not retried: it
-raises :class:`StorageBroken` at once (one line; exit code 2). Callers therefore call the
+missing table or column, a database or file that is gone or is not one: :data:`PERMANENT`) is
+not retried: it raises :class:`StorageBroken`, a :class:`StorageLost`, at once. Callers therefore call the
 storage directly and never wrap a call in a retry of their own.
 
 A retried call must be safe to repeat. Reads are; so are upserts and attribute writes. A plain
@@ -54,9 +54,10 @@ class StorageLost(EraseTuneError):
     exit_code = 3
 
 
-class StorageBroken(EraseTuneError):
+class StorageBroken(StorageLost):
     """The storage answered with an error that waiting cannot mend (a missing table or column,
-    a file that is not a database): refused at once, not retried as if it were away."""
+    a database or file that is gone or is not one): lost at once, not retried as if it were away
+    (a :class:`StorageLost`, so a driver keeps its measurements in the journal as for any loss)."""
 
 
 PERMANENT = ("no such table", "no such column", "has no column named", "does not exist", "file is not a database",
@@ -82,7 +83,7 @@ def retrying(what: str, fn: Callable[[], T], *, url: str, parsed: URL | None = N
         except (SQLAlchemyError, optuna.exceptions.StorageInternalError) as e:
             why = cause(e, parsed)
             if any(w in why.lower() for w in PERMANENT):
-                raise StorageBroken(f"storage {url}: {why} (while {what}; not retried: waiting cannot mend it; "
+                raise StorageBroken(f"storage {url} lost while {what}: {why} (not retried: waiting cannot mend it; "
                                     "`erase-tune db current` says where its erase-tune tables stand)") from None
             repeat_unsafe = not idempotent and isinstance(e, UncertainCommit)
             if repeat_unsafe or "readonly" in why.replace(" ", "").lower() or time.monotonic() + delay > deadline:

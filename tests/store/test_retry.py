@@ -129,7 +129,7 @@ def test_an_uncertain_commit_is_a_sqlalchemy_error():
 
 @pytest.mark.parametrize("message", ["no such table: trials", 'relation "trials" does not exist',
                                      "file is not a database"])
-def test_an_error_no_wait_can_mend_is_refused_at_once_not_retried_as_unreachable(db, monkeypatch, message):
+def test_an_error_no_wait_can_mend_is_a_loss_at_once_not_retried_as_unreachable(db, monkeypatch, message):
     monkeypatch.setenv(RETRY_ENV, "60")  # a retry would wait out this; the refusal comes at once
     study = optuna.create_study(storage=db.optuna, study_name="s", directions=["maximize", "minimize"])
     real, calls = db.optuna.rdb._get_trials, []
@@ -141,7 +141,7 @@ def test_an_error_no_wait_can_mend_is_refused_at_once_not_retried_as_unreachable
     monkeypatch.setattr(db.optuna.rdb, "_get_trials", broken)
     with pytest.raises(StorageBroken) as e:
         study.get_trials()
-    assert len(calls) == 1 and "\n" not in str(e.value)
-    assert str(e.value).startswith(f"storage sqlite:///") and message in str(e.value) and "not retried" in str(e.value)
+    assert len(calls) == 1 and "\n" not in str(e.value) and isinstance(e.value, StorageLost)  # (exit 3, journal kept)
+    assert str(e.value).startswith("storage sqlite:///") and message in str(e.value) and "not retried" in str(e.value)
     monkeypatch.setattr(db.optuna.rdb, "_get_trials", real)
     assert study.get_trials() == []
