@@ -124,7 +124,9 @@ def test_a_trial_finished_by_another_driver_midway_is_recorded_once(storage_url,
         assert stored[0] == (TrialState.FAIL if party == "stale" or outcome == "failed" else TrialState.COMPLETE)
         # (each record once: it reaches caplog through the recorder's logger and, when that
         # propagates, through the root logger too)
-        lines = list({id(r): r.getMessage() for r in caplog.records if r.name == "erase_tune.tune.run.record"}.values())
+        # (the recorder's once-per-job note that these tiny trials re-read their batches is not the race's)
+        lines = [m for m in {id(r): r.getMessage() for r in caplog.records
+                             if r.name == "erase_tune.tune.run.record"}.values() if "read its batches" not in m]
         assert len(lines) == 1 and f"trial {n} " in lines[0], lines
 
         for again in range(2):  # the driver's own journal entry replayed later: still once
