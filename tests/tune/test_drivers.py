@@ -1,9 +1,9 @@
 """Several drivers, one study: the target is the study's, no plan is measured twice, and
 schema set-up is safe when drivers start at the same moment on a fresh database.
 
-Three drivers also share one Ray cluster of two CPUs, one waiting for the others' CPUs.
-The load test (marker ``load``, run with ``ERASE_TUNE_LOAD_TESTS=1``: about 8 minutes on two
-cores) starts three drivers beside two CPU-burning processes, so the drivers, their private
+The load tests (marker ``load``, run with ``ERASE_TUNE_LOAD_TESTS=1``) start three drivers that
+share one Ray cluster of two CPUs, one waiting for the others' CPUs (30 s); and (about 8 minutes
+on two cores) three drivers beside two CPU-burning processes, so the drivers, their private
 local Rays, their trial workers and PostgreSQL all compete for the machine: the load under
 which drivers once raced on a finished trial."""
 
@@ -115,6 +115,7 @@ def test_three_drivers_beside_cpu_burners(pg_url, tmp_path):
     assert sorted(n for n, status in rows if status == "complete") == sorted(t.number for t in measured), rows
 
 
+@pytest.mark.load
 def test_three_drivers_share_one_two_cpu_ray_cluster(pg_url, tmp_path):
     """3 drivers of one study join one Ray cluster of 2 CPUs (``ray start --head``) with a trial
     slot of 1 CPU each: two run, the third waits for a CPU (and says so within seconds, not after
