@@ -170,14 +170,18 @@ class Loop:
                 pass
             if not self.inflight and self.finished():
                 break
-            for handle, outcome in self.executor.wait(timeout=0.5):
-                self.finish(handle, outcome)
-            now = time.monotonic()
-            for inf in self.inflight:
-                h = inf.handle
-                if h is not None and h.cancel_reason is None and now - h.started > self.space.budget.timeout_s:
-                    self.executor.cancel(h, f"timed out after {self.space.budget.timeout_s:.0f}s")
+            self._collect()
         self.emit("done", f"job {self.study.study_name}: " + (self.stopped or "done"))
+
+    def _collect(self) -> None:
+        """Record the trials that finished within half a second; cancel those past their limit."""
+        for handle, outcome in self.executor.wait(timeout=0.5):
+            self.finish(handle, outcome)
+        now = time.monotonic()
+        for inf in self.inflight:
+            h = inf.handle
+            if h is not None and h.cancel_reason is None and now - h.started > self.space.budget.timeout_s:
+                self.executor.cancel(h, f"timed out after {self.space.budget.timeout_s:.0f}s")
 
     def admit(self) -> bool:
         """Ask and submit one trial if the study needs one; False when it needs none now."""
@@ -347,6 +351,13 @@ class Loop:
         then judge feasibility by it from here on (recorder and sampler)."""
         measure, self.floor_due = self.floor_due, None
         assert measure is not None
+        # It runs on a free trial slot. The slot may be held by a trial that has finished but is
+        # not recorded yet, and only this thread records: record until a slot is free, or the
+        # floor waits for a slot nobody gives back (seen when a node died while its slot was idle).
+        while not self.executor.idle():
+            self._collect()
+            if time.monotonic() - self._beat >= HEARTBEAT_S:
+                self.maintain()
         box: dict[str, Any] = {}
 
         def work() -> None:
