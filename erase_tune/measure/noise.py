@@ -199,25 +199,26 @@ def measure_noise_floor(workload: Workload, budget: Budget = Budget(), *, repeat
     graph = device.type == "cuda" and graph_error is None if graph is None else graph
     if graph and device.type != "cuda":
         raise EraseTuneError("noise floor: the whole-step-graph perturbation needs CUDA")
+    base = ErasePlan()
+    # (kind, plan, order seed, random seed): the reference on the trial's order, then each
+    # perturbation that cannot matter: another order of the batches with other dropout masks,
+    # and (CUDA) the same step replayed from one whole-step graph.
+    runs = [("reference", base, None, budget.seed)] + [("order", base, s, s) for s in
+                                                       (data_order(budget, r + 1) for r in range(repeats))]
+    if graph:
+        runs.append(("graph", ErasePlan(whole_step_graph=True), None, budget.seed))
     data, init = prepare(workload, device, budget.seed)
     steps = budget.training_steps
-    base = ErasePlan()
     start = TrainStart(workload=workload, init=init, data=data, device=device, process_group=process_group)
     try:
-        reference = train_ne(start, base, steps, random_seed=budget.seed, check=True)
-        gaps, kinds = [], []
-        baseline_ne: dict[int, float] = {}
-        for r in range(repeats):  # another order of the batches, and other dropout masks
-            seed = data_order(budget, r + 1)
-            ne = baseline_ne[seed] = train_ne(start, base, steps, order_seed=seed, random_seed=seed)
-            gaps.append((ne - reference) / reference)
-            kinds.append("order")
-        if graph:
-            ne = train_ne(start, ErasePlan(whole_step_graph=True), steps, random_seed=budget.seed)
-            gaps.append((ne - reference) / reference)
-            kinds.append("graph")
+        nes = [train_ne(start, plan, steps, order_seed=order, random_seed=seed, check=kind == "reference")
+               for kind, plan, order, seed in runs]
     finally:
         release((), device)
+    reference = nes[0]
+    gaps = [(ne - reference) / reference for ne in nes[1:]]
+    kinds = [kind for kind, *_ in runs[1:]]
+    baseline_ne = {order: ne for (kind, _, order, _), ne in zip(runs, nes) if kind == "order"}
     _, world = ranks_of(process_group)
     return NoiseFloor(
         band=max(abs(g) for g in gaps), gaps=tuple(gaps), kinds=tuple(kinds), ne_reference=reference,

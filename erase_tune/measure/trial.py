@@ -73,7 +73,7 @@ log = logging.getLogger("erase_tune.measure")
 __all__ = ["Budget", "Ranking", "VariantResult", "TrialResult", "TrialFailed", "run_trial", "build_engine", "Variant",
            "jsonable_args",
            "release", "reference_capture_error", "capture_error", "UNKNOWN", "BASELINE"]
-__all__ += ["passes_note", "task_gaps", "check_workload_loss", "MAX_REPEATS", "GAIN_OVER", "exact_by_construction", "gradient_difference",
+__all__ += ["task_gaps", "check_workload_loss", "MAX_REPEATS", "GAIN_OVER", "exact_by_construction", "gradient_difference",
             "agree_with_rank0", "EXACT_RTOL", "prepare"]
 
 GRAPH_WARMUP = 3
@@ -199,17 +199,6 @@ class Budget:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Ranking:
-    """Which gain a trial stops timing on and reports as ``TrialResult.gain``, and its race bound
-    (both checked by :func:`run_trial`)."""
-
-    gain_over: str = "eager"
-    """``eager`` (over the baseline) or ``graph`` (over the whole-step-graph reference, which must run)."""
-    stop_below: float | None = None
-    """The racing bound: timing stops once the gain's upper bound is below it (None: no race)."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
 class VariantResult:
     """Timing of one variant: summary and raw per-step samples."""
 
@@ -273,6 +262,9 @@ class TrialResult:
     """A multi-task workload's NE per task: ``{task: {"baseline", "candidate", "gap"}}`` (each task
     against its own label prior; ``ne_*`` above are the main task's). None for a single task. A
     value not measured (the baseline's, when a cached ``baseline_ne`` stood in for it) is None."""
+    data_note: str | None = None
+    """Set when training read its batches more than once (provenance ``data_passes`` above 1):
+    what that means for NE and the remedy, one phrase in the workload's arguments' words."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form, raw samples included."""
@@ -377,6 +369,17 @@ def exact_by_construction(plan: ErasePlan) -> bool:
     return not plan.cuts
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Ranking:
+    """Which gain a trial stops timing on and reports as ``TrialResult.gain``, and its race bound
+    (both checked by :func:`run_trial`)."""
+
+    gain_over: str = "eager"
+    """``eager`` (over the baseline) or ``graph`` (over the whole-step-graph reference, which must run)."""
+    stop_below: float | None = None
+    """The racing bound: timing stops once the gain's upper bound is below it (None: no race)."""
+
+
 def run_trial(
     workload: Workload,
     plan: ErasePlan,
@@ -401,8 +404,7 @@ def run_trial(
     which gain's interval decides when timing stops, and which one ``TrialResult.gain`` is:
     ``eager`` (over the baseline) or ``graph`` (over the whole-step-graph reference, which must
     run). ``ranking.stop_below``: the racing bound: timing stops once the gain's upper bound is
-    below it.
-    """
+    below it."""
     started = time.perf_counter()
     gain_over, stop_below = ranking.gain_over, ranking.stop_below
     device = resolve_device(device)
@@ -430,35 +432,33 @@ def run_trial(
         release(variants.values(), device)
         variants.clear()
     trained = budget.training_steps if not exact else measured.next_steps["candidate"] + 1  # (+ the check's step)
+    passes = round(trained * world / len(data.train), 3)  # > 1: batches were re-read (NE is then suspect)
     return TrialResult(
         workload=workload.name, plan=plan, batch_size=workload.batch_size * world, exact=exact, exact_diff=check.diff,
         reference_error=ref_error, **_measured_fields(measured, plans, workload.batch_size * world),
-        **_quality_fields(workload, ne, per_task, exact), duration_s=time.perf_counter() - started,
-        provenance=_trial_provenance(workload, budget, device, data, world, trained, gain_over=gain_over,
-                                     stop_below=stop_below, baseline_ne_cached=baseline_ne is not None),
-    )
+        **_quality_fields(workload, ne, per_task, exact), data_note=_passes_note(passes, workload.args),
+        duration_s=time.perf_counter() - started, provenance=_trial_provenance(
+            workload, budget, device, world, trained, gain_over=gain_over, stop_below=stop_below,
+            baseline_ne_cached=baseline_ne is not None, data_passes=passes))
 
 
-def _trial_provenance(workload: Workload, budget: Budget, device: torch.device, data: WorkloadData, world: int,
-                      trained: int, **settings: Any) -> dict[str, Any]:
+def _trial_provenance(workload: Workload, budget: Budget, device: torch.device, world: int, trained: int,
+                      **settings: Any) -> dict[str, Any]:
     """A trial's provenance: the machine's, the workload, the budget, the steps trained and the
     trial's ``settings``."""
     return provenance(
         device, workload=workload.name, workload_args=jsonable_args(workload.args),
         budget=dataclasses.asdict(budget), training_steps=trained, **settings, ranks=world,
         **({"main_task": workload.main.name} if workload.main is not None else {}),
-        # > 1 means batches were re-read; a CTR proxy over-fits on a second pass, so NE is then suspect.
-        data_passes=round(trained * world / len(data.train), 3),
     )
 
 
-def passes_note(prov: Mapping[str, Any]) -> str | None:
-    """What a trial's provenance ``data_passes`` above 1 means, one phrase with the remedy in the
-    words of the workload's arguments (None when training read each batch at most once)."""
-    passes = prov.get("data_passes")
-    if not isinstance(passes, (int, float)) or isinstance(passes, bool) or passes <= 1:
+def _passes_note(passes: float, args: Mapping[str, Any]) -> str | None:
+    """What reading the training batches ``passes`` times (above 1) means, one phrase with the
+    remedy in the words of the workload's ``args`` (None when each batch was read at most once:
+    a CTR proxy over-fits on a second pass, so NE is then suspect)."""
+    if passes <= 1:
         return None
-    args = prov.get("workload_args") or {}
     more = ("raise the workload's train_batches" if "train_batches" in args  # the built-ins
             else "give the workload more training batches than the trial takes steps")
     return (f"training read its batches {passes:.1f} times ({more} for one pass; a second pass can over-fit "

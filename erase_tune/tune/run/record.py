@@ -46,7 +46,6 @@ from erase_tune.tune.execute.outcome import Failure, TrialOutcome
 from erase_tune.tune.search.space import SearchSpace
 from erase_tune.measure.confirm import baseline_plan
 from erase_tune.measure.noise import feasible
-from erase_tune.measure.trial import passes_note
 from erase_tune.tune.search.study import CONSTRAINTS, Attr, constraint, measured, metric_attrs, objective_values
 
 __all__ = ["Recorder", "REPLAYED_FROM"]
@@ -109,9 +108,9 @@ class Recorder:
             if not prov.get("baseline_ne_cached") and result.ne_baseline is not None:
                 self.storage.store.put_baseline(self._baseline_key(), {"ne_baseline": result.ne_baseline},
                                                 {"baseline": result.variants["baseline"].steps_s})
-            if not exact and not self._passes_said and (note := passes_note(prov)) is not None:
+            if not exact and not self._passes_said and result.data_note is not None:
                 self._passes_said = True  # every trial of the job trains as long: said once, with the first
-                log.warning(f"trial {number}: {note}; every trial of this job trains {prov.get('training_steps')} "
+                log.warning(f"trial {number}: {result.data_note}; every trial of this job trains {prov.get('training_steps')} "
                             "steps, so its NE gaps and the noise floor may mislead")
             gap = "NE gap 0 (exact)" if exact else f"NE gap {values[1]:+.2%}"
             message = (f"trial {number}: gain {values[0]:+.2%} [{result.gain_lo:+.2%}, {result.gain_hi:+.2%}] over "

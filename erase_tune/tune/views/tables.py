@@ -7,7 +7,7 @@ lives in one place.
 from __future__ import annotations
 
 from erase_tune.measure.noise import NoiseFloor
-from erase_tune.measure.trial import TrialResult, passes_note
+from erase_tune.measure.trial import TrialResult
 from erase_tune.tune.run.job import JobSummary
 from erase_tune.tune.run.loop import Progress
 
@@ -60,8 +60,8 @@ def trial_table(result: TrialResult, floor: NoiseFloor | None = None) -> str:
         lines.append(f"vs whole-step-graph baseline: {result.gain_vs_reference:+.2%}")
     if result.reference_error is not None:
         lines.append(f"whole-step-graph baseline left out: {result.reference_error}")
-    if (note := passes_note(prov)) is not None:
-        lines.append(f"note: {note}")
+    if result.data_note is not None:
+        lines.append(f"note: {result.data_note}")
     if floor is not None:
         lines.append(noise_line(floor, result.ne_gap, exact=result.exact))
     return "\n".join(lines)
