@@ -367,18 +367,16 @@ def _batches(dense: Tensor, sparse: Tensor, labels: Tensor, batch: int) -> list[
     ]
 
 
+_DATA_ARGS = ("num_tables", "rows", "bag", "base_rate", "seed")
+"""The workload arguments :func:`synthetic_ctr` takes."""
+_MODEL_ARGS = ("num_tables", "rows", "emb_dim", "width", "depth", "sub_out")
+"""The workload arguments :class:`CTRModel` takes."""
+
+
 def _synthetic(n: int, args: dict[str, Any], device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
     """``n`` examples from the planted teacher, as the workload's ``args`` configure it (one
     place for the train/eval pools and the example batch to ask for them)."""
-    return synthetic_ctr(
-        n,
-        num_tables=args["num_tables"],
-        rows=args["rows"],
-        bag=args["bag"],
-        base_rate=args["base_rate"],
-        seed=args["seed"],
-        device=torch.device(device),
-    )
+    return synthetic_ctr(n, **{k: args[k] for k in _DATA_ARGS}, device=torch.device(device))
 
 
 def _synthetic_data(device: torch.device, *, args: dict[str, Any]) -> WorkloadData:
@@ -402,14 +400,7 @@ def _build_model(*, args: dict[str, Any]) -> CTRModel:
     # fork_rng: seed the initialisation without disturbing the caller's global RNG.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(args["seed"])
-        return CTRModel(
-            num_tables=args["num_tables"],
-            rows=args["rows"],
-            emb_dim=args["emb_dim"],
-            width=args["width"],
-            depth=args["depth"],
-            sub_out=args["sub_out"],
-        )
+        return CTRModel(**{k: args[k] for k in _MODEL_ARGS})
 
 
 def _synthetic_example(device: torch.device, *, args: dict[str, Any]) -> Batch:
