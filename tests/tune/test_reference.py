@@ -5,6 +5,8 @@ CPU slots tries nothing (tests/tune/test_reference_gpu.py has the GPU side)."""
 
 from __future__ import annotations
 
+import os
+
 import optuna
 
 from erase_tune.tune.execute.executor import RayExecutor
@@ -22,6 +24,9 @@ def test_the_try_runs_on_a_worker(ray_cluster):
         executor.wait_ready()
         ok = executor.reference(ReferenceSpec(workload=FAULTY, workload_args={"mode": "ok", **TINY_CTR}), timeout=60)
         assert ok.error is None and ok.failure is None and ok.reason is None and ok.worker.pid is not None
+        # The worker keeps this process's priority: Ray's default niceness 15 for its workers
+        # would let any busy process on the host starve the step it times.
+        assert os.getpriority(os.PRIO_PROCESS, ok.worker.pid) == os.getpriority(os.PRIO_PROCESS, 0)
         first = executor._groups[0]
         assert first.state == "ready"  # a try that did not fail keeps its (warm) slot
 

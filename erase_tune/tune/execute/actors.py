@@ -11,6 +11,12 @@ GPU, packed onto one node), so a trial of k ranks gets k GPUs of one host or wai
 the cluster has them (an autoscaling cluster adds GPU nodes for pending placement groups).
 Each actor imports erase-tune and the workload's module when it starts: a package that did
 not travel to the node shows up here, once, as a clear failure, not as every trial failing.
+
+Ray lowers its worker processes' priority (niceness 15). A trial worker is the job's
+measurement, not background work: at niceness 15 any other busy process on the host (another
+job, a data loader, a compile) takes nearly all of a core from it, so its host-bound step would
+be timed at a fraction of its speed. Trial workers keep the priority they start with
+(:data:`WORKER_ENV`; Ray's own job server does the same for a job's driver).
 """
 
 from __future__ import annotations
@@ -96,6 +102,10 @@ class TrialWorker:
                 "gpu_ids": tuple(str(g) for g in ray.get_gpu_ids()), "pid": os.getpid()}
 
 
+WORKER_ENV = {"env_vars": {"RAY_worker_niceness": "0"}}
+"""A trial worker's runtime environment (merged into the job's): no lowered priority."""
+
+
 @dataclasses.dataclass(eq=False)
 class WorkerGroup:
     """One trial slot: a placement group and one actor per rank, created asynchronously."""
@@ -130,7 +140,7 @@ class WorkerGroup:
             for rank in range(self.ranks):
                 strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=rank)
                 self.actors.append(cls.options(num_gpus=1 if self.use_gpu else 0, num_cpus=1, max_restarts=0,
-                                               scheduling_strategy=strategy)
+                                               scheduling_strategy=strategy, runtime_env=WORKER_ENV)
                                    .remote(self.workload))
             self._pending = [a.ready.remote() for a in self.actors]
             self.state = "starting"
