@@ -26,7 +26,7 @@ from erase_tune.cli import main
 TINY_SPACE = ("workload: {name: ctr, args: {batch: 16, rows: 10, num_tables: 2, train_batches: 4, eval_batches: 1}}\n"
               "cuts: {candidates: [subarchs.0, subarchs.1], max_streams: 1}\n"
               "sampler: {name: random, seed: 0}\n"
-              "budget: {warmup_steps: 5, windows: 1, window_steps: 1, timeout_s: 30}\n"
+              "budget: {warmup_steps: 5, windows: 1, max_windows: 1, window_steps: 1, timeout_s: 30}\n"
               "trials: 1\ndevice: cpu\n")
 """A space the stored job was made from (``export`` and a resumed ``start`` read it back)."""
 

@@ -395,7 +395,7 @@ class CliWorld:
         self.space = root / "space.yaml"
         self.space.write_text(SPACE + "cuts: {candidates: [subarchs.0, subarchs.1], max_streams: 1}\n"
                               "sampler: {name: random, seed: 0}\n"
-                              "budget: {warmup_steps: 5, windows: 1, window_steps: 1, timeout_s: 30}\n"
+                              "budget: {warmup_steps: 5, windows: 1, max_windows: 1, window_steps: 1, timeout_s: 30}\n"
                               "trials: 1\ndevice: cpu\n")
         self.hostile_plans = self._write("bad-plan", [
             "cuts: [layers.0:100000000000]", "num_streams: 1000000000000", "cuts: " + "[" * 500 + "]" * 500,

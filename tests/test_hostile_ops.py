@@ -487,7 +487,7 @@ def test_hostile_uploads_and_resources(bounds: Cases, tmp_path: Path) -> None:
     (a real local Ray: two cases), the storage untouched."""
     space = tmp_path / "space.yaml"
     space.write_text(SPACE + "cuts: {candidates: [subarchs.0]}\ntrials: 1\ndevice: cpu\n"
-                     "budget: {warmup_steps: 5, windows: 1, window_steps: 1, timeout_s: 30}\n")
+                     "budget: {warmup_steps: 5, windows: 1, max_windows: 1, window_steps: 1, timeout_s: 30}\n")
     db = tmp_path / "s.db"
 
     @profile(12)
@@ -620,7 +620,7 @@ def test_hostile_signals(bounds: Cases, tmp_path: Path) -> None:
     space.write_text(SPACE.replace("workload: {", "workload: {py_modules: [pkg], ") +
                      "cuts: {candidates: [subarchs.0, subarchs.1], max_streams: 1}\n"
                      "sampler: {name: random, seed: 0}\n"
-                     "budget: {warmup_steps: 5, windows: 2, window_steps: 20, timeout_s: 120}\ntrials: 50\n"
+                     "budget: {warmup_steps: 5, windows: 2, max_windows: 2, window_steps: 20, timeout_s: 120}\ntrials: 50\n"
                      "device: cpu\n")
     job_db = f"sqlite:///{tmp_path / 'job.db'}"
     with bounds.case("signals", "start, SIGTERM mid-job"):

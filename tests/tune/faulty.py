@@ -96,7 +96,9 @@ def write_space(path: Path, *, workload: str = "ctr", args: dict[str, Any] | Non
     Defaults: three candidates that are detached or kept (a continuous λ, so a random sampler
     never proposes the same plan twice by chance), blocking dispatch, CPU, random sampler,
     60 s trial timeout, no confirmation windows beyond what a test asks for, no noise floor and
-    no quality confirmation.
+    no quality confirmation. A trial times a fixed number of windows (``max_windows`` =
+    ``windows`` unless given): the stop rule would time a noisy trial on to 20, so on a loaded
+    machine every trial would do several times the work, and load more the machine it measures.
     """
     space: dict[str, Any] = {
         "workload": {"name": workload, "args": {**TINY_CTR, **(args or {})}},
@@ -113,5 +115,6 @@ def write_space(path: Path, *, workload: str = "ctr", args: dict[str, Any] | Non
         "device": "cpu",
         **fields,
     }
+    space["budget"].setdefault("max_windows", space["budget"]["windows"])
     path.write_text(yaml.safe_dump(space, sort_keys=False))
     return path

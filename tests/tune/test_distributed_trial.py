@@ -25,7 +25,7 @@ cuts:
   dispatch: [threaded]
   find_unused_parameters: [false]
 max_ne_gap: 1.0
-budget: {warmup_steps: 5, windows: 2, window_steps: 3, quality_steps: 4, timeout_s: 120}
+budget: {warmup_steps: 5, windows: 2, max_windows: 2, window_steps: 3, quality_steps: 4, timeout_s: 120}
 trials: 2
 device: cpu
 gpus_per_trial: 2

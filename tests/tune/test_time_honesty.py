@@ -42,6 +42,9 @@ def _say(progress) -> None:
 
 
 def _space(tmp_path, modes: str, **budget: object) -> str:
+    """The smoke space with ``modes``, no seeds and ``budget`` (a fixed 4 windows unless given: a
+    loaded machine's noise would time each trial on to 20)."""
+    budget = {"max_windows": 4, **budget}
     text = SMOKE.read_text()
     text = text.replace("  modes: [keep, place, detach]\n", modes)
     head, _, _ = text.partition("\nseeds:")  # no seeds: the screen and the sampler find the plans
