@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -66,8 +67,14 @@ def two_nodes(tmp_path):
     """Head (1 CPU, job server) and a worker node (1 CPU); yields (gcs address, job address, node 2)."""
     assert RAY, "the ray command line ships with ray"
     gcs_port, dash_port = _free_port(), _free_port()
+    # A session directory of its own (short: Ray's socket paths must fit in 107 bytes). Ray's job
+    # server gives a job's driver the address it reads from <temp dir>/ray_current_cluster, which
+    # in the shared /tmp/ray names whichever Ray on this host started last: beside other test
+    # processes' local Rays, the job joined one of those and was refused.
+    temp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
     head = _ray_start(["--head", f"--port={gcs_port}", "--num-cpus=1", "--include-dashboard=true",
-                       "--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}"], tmp_path / "head.log")
+                       f"--temp-dir={temp}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}"],
+                      tmp_path / "head.log")
     procs = [head]
     try:
         deadline = time.monotonic() + 180
@@ -95,9 +102,7 @@ def two_nodes(tmp_path):
             except ProcessLookupError:
                 pass
             p.wait(timeout=30)
-        current = Path("/tmp/ray/ray_current_cluster")
-        if current.exists():
-            current.unlink()
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def test_ray_job_submit_on_two_nodes_with_postgres(two_nodes, pg_url, tmp_path):
