@@ -82,8 +82,11 @@ def test_noise_floor_feasibility_resume_status_and_quality(storage_url, ray_clus
         executor.close()
         db.close()
     assert set(done) == {p.number for p in front[:5]}
+    # Which plans make the front is measured (on a loaded machine it may hold exact plans only):
+    # with a cut among them every plan's gap is over 2 seeds; with none nothing was trained.
+    seeds = 2 if any(not q.exact for q in done.values()) else 0
     for number, q in done.items():
-        assert q.steps == 2 * space.budget.per_trial.training_steps and q.seeds == 2 and q.band == band
+        assert q.steps == 2 * space.budget.per_trial.training_steps and q.seeds == seeds and q.band == band
         if q.exact:
             assert (q.ne_gap, q.ne_gap_lo, q.ne_gap_hi) == (0.0, -band, band)
         else:
