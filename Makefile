@@ -20,10 +20,9 @@ demo: setup-python
 	  .venv/bin/erase-tune export --study demo -o best.yaml --repeats 3 --force; }
 	.venv/bin/python examples/train_ctr.py --plan best.yaml --steps 200
 
-# One process. Four pytest-xdist workers (`-n 4 --dist loadfile --no-loadscope-reorder`, then
-# tests/tune/test_ray_cluster.py alone) took 12.7-13.4 min against 25.7 on two cores, but under
-# that load a test with a time budget or a trial timeout still fails now and then (a 90 s job
-# budget that a 52 ms step's estimate fills; a CPU trial over 15 s), and the two-node
-# `ray job submit` test did not finish beside three other workers (twice).
+# Four pytest-xdist workers, whole files each (a module's shared job is made once), the
+# longest files first (tests/conftest.py SLOWEST_FIRST): most tests wait on Ray, PostgreSQL,
+# a browser or a child process, so four share two cores well. Every test job times a fixed
+# number of windows, so a loaded machine makes a test slower, never longer.
 test: setup
-	.venv/bin/python -m pytest -q --durations=30
+	.venv/bin/python -m pytest -q -n 4 --dist loadfile --no-loadscope-reorder --durations=30
