@@ -201,9 +201,15 @@ class Loop:
                                                                       Attr.SCREEN_NAME: step.name})
             trial = None
             try:
-                with signals_deferred():  # a signal inside ask() would leave its new trial RUNNING and unknown
+                # A signal inside ask() would leave its new trial RUNNING and unknown, and one inside
+                # the plan's writes (its parameters, one write each) left it RUNNING and half
+                # written (seen with SIGTERM under load: failing it then did not take). Known and
+                # whole, in flight before the block ends, the clean-up fails it.
+                with signals_deferred():
                     trial = self.study.ask()
-                admitted = self._propose(trial)
+                    admitted = self._propose(trial)
+                    if not isinstance(admitted, str):
+                        self.inflight.append(admitted)  # before submitting: a signal must find it to fail it
             except BaseException:
                 if trial is not None:
                     with contextlib.suppress(Exception), self.storage.once():  # never leave an asked trial RUNNING
@@ -217,7 +223,6 @@ class Loop:
                 return False
             return True
         self._repeats = 0
-        self.inflight.append(admitted)  # before submitting: a signal during submit must find it to fail it
         floor_s = 0.0
         if admitted.plan.cuts and self.floor_due is not None:  # a phase of its own, not this trial's overhead
             t1 = time.perf_counter()
