@@ -31,7 +31,11 @@ from tests.tune.faulty import write_space
 
 
 def _drivers(n: int, argv: list[str], tmp_path) -> list[subprocess.CompletedProcess]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "ERASE_TUNE_JOURNAL_DIR": str(tmp_path / "journal")}
+    # The drivers wait for each other's study lock: with the service tests' 3 s storage retry, a
+    # driver whose lock-holding neighbour ran slow on a loaded machine gave up (exit 3). 60 s is
+    # erase-tune's own default.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "ERASE_TUNE_JOURNAL_DIR": str(tmp_path / "journal"),
+           "ERASE_TUNE_STORAGE_RETRY_S": "60"}
     procs = [subprocess.Popen([sys.executable, "-m", "erase_tune", *argv], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(n)]
     return [subprocess.CompletedProcess(p.args, p.wait(timeout=600), *p.communicate()) for p in procs]
