@@ -39,6 +39,9 @@ def test_a_signal_between_a_new_trials_parameter_writes_waits_until_it_is_whole_
         return real(self, trial_id, param_name, *args, **kwargs)
 
     monkeypatch.setattr(RetryingStorage, "set_trial_param", set_trial_param)
+    # erase-tune's handlers go over the default only: a Ray started in this test process earlier
+    # has its own, which exits.
+    before = signal.signal(signal.SIGTERM, signal.SIG_DFL)
     restore = _signals.on_signals()
     try:
         # executor None: nothing may reach it (the signal must be raised before the trial is submitted)
@@ -48,6 +51,7 @@ def test_a_signal_between_a_new_trials_parameter_writes_waits_until_it_is_whole_
             loop.admit()
     finally:
         restore()
+        signal.signal(signal.SIGTERM, before)
     assert len(written) > 1  # the signal came while the plan was still being written
     (trial,) = db.study("admit").get_trials()
     # Whole (every parameter and its plan written), in flight, and failed by admit's own clean-up.
