@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import json
 import logging
 import threading
@@ -109,6 +110,34 @@ def cause(e: BaseException, parsed: URL | None) -> str:
     return masked_line(seen, parsed)
 
 
+_collection = threading.Lock()
+_pauses = [0, False]
+"""[storage calls under way with the cyclic collector paused, whether it was enabled before the first]"""
+
+
+@contextlib.contextmanager
+def _no_collection() -> Iterator[None]:
+    """No cyclic garbage collection while a storage call runs (every thread's calls counted).
+
+    A damaged stored value nested thousands of levels deep is decoded (by Optuna, in C) down to
+    the interpreter's recursion limit. A collection that starts there runs other objects'
+    finalizers and the collector's callbacks at that depth, where each fails and Python prints
+    its traceback ("Exception ignored in ...") beside the command's one line. Garbage waits for
+    the next collection after the call; nothing is lost."""
+    with _collection:
+        if _pauses[0] == 0:
+            _pauses[1] = gc.isenabled()
+            gc.disable()
+        _pauses[0] += 1
+    try:
+        yield
+    finally:
+        with _collection:
+            _pauses[0] -= 1
+            if _pauses[0] == 0 and _pauses[1]:
+                gc.enable()
+
+
 class Retrier:
     """The retry policy of one storage (see the module docstring): shared by its Optuna
     storage and its tables, so that :meth:`once` covers both."""
@@ -120,10 +149,14 @@ class Retrier:
         self._local = threading.local()
 
     def __call__(self, what: str, fn: Callable[[], T], *, idempotent: bool = True) -> T:
+        def call() -> T:
+            with _no_collection():
+                return fn()
+
         try:
             if getattr(self._local, "once", False):
-                return fn()
-            return retrying(what, fn, url=self.url, parsed=self.parsed, idempotent=idempotent)
+                return call()
+            return retrying(what, call, url=self.url, parsed=self.parsed, idempotent=idempotent)
         except (json.JSONDecodeError, RecursionError) as e:
             # A stored attribute or column that is not JSON (edited by hand, a disk error): Optuna's
             # and SQLAlchemy's decoding would end the command in a traceback.

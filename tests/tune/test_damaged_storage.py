@@ -4,6 +4,7 @@ nothing (issue 30)."""
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import sqlite3
 
@@ -52,6 +53,31 @@ def test_a_stored_attribute_that_is_not_json_is_one_line(stored, capsys, table, 
     _sql(path, f"UPDATE {table} SET value_json = ? WHERE key = ?", value, key)
     # was: a JSONDecodeError (or RecursionError) traceback from Optuna's reading of the study
     _readers_say(url, path, capsys, "holds damaged data: while", "a stored value is")
+
+
+def test_no_collection_runs_at_the_depth_a_too_deep_value_is_read_to(stored, capsys):
+    """Decoding a value nested 5000 deep reaches the recursion limit. A garbage collection
+    there ran the collector's callbacks (and other objects' finalizers) at that depth, where
+    each failed and printed its traceback beside the one line: seen in the full suite, made
+    certain here by collecting at every allocation with a callback that calls a little deeper."""
+    url, path = stored
+    _sql(path, "UPDATE study_user_attributes SET value_json = ? WHERE key = 'max_ne_gap'", "[" * 5000 + "]" * 5000)
+
+    def deeper(n: int) -> int:
+        return n if n <= 0 else deeper(n - 1)
+
+    def callback(phase: str, info: dict) -> None:
+        deeper(3)
+
+    threshold = gc.get_threshold()
+    gc.callbacks.append(callback)
+    gc.set_threshold(1)
+    try:
+        _readers_say(url, path, capsys, "holds damaged data: while", "nested too deeply", argvs=READERS[:2])
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(callback)
+    assert gc.isenabled()
 
 
 def test_a_job_column_that_is_not_json_is_one_line(stored, capsys, tmp_path):
