@@ -556,8 +556,10 @@ def _signal_command(argv: list[str], sig: signal.Signals, after: float, cwd: Pat
                     wait_for: str | None = None) -> tuple[int, str, float]:
     """Run ``erase-tune argv``, send ``sig`` ``after`` seconds after ``wait_for`` appears on its
     stderr (or after start): (exit code, stderr, seconds from the signal to the exit)."""
+    # PYTHONFAULTHANDLER: a command still running long after the signal is ended with SIGABRT,
+    # which makes it print every thread's stack: the failure then says where it hung.
     proc = subprocess.Popen([PYTHON, "-m", "erase_tune", *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, cwd=cwd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            text=True, cwd=cwd, env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"})
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
     reader.start()
@@ -577,7 +579,14 @@ def _signal_command(argv: list[str], sig: signal.Signals, after: float, cwd: Pat
         time.sleep(after)
         proc.send_signal(sig)
         sent = time.monotonic()
-        proc.wait(timeout=120)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            proc.wait(timeout=30)
+            reader.join(timeout=30)
+            raise AssertionError(f"{argv}: still running 120 s after {sig.name} (sent {after}s after it caught "
+                                 f"signals); its stderr, then its threads' stacks:\n{''.join(lines)[-8000:]}") from None
         took = time.monotonic() - sent
         reader.join(timeout=30)
         return proc.returncode, "".join(lines), took

@@ -15,6 +15,8 @@ The expected Pareto front (within the budget) is ``FRONT``.
 from __future__ import annotations
 
 import dataclasses
+import shutil
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -138,11 +140,30 @@ def _measured_attrs(number: int, spec: Spec, gain_over: str) -> tuple[list[float
     return [qps_gain, spec.ne_gap], {k: v for k, v in attrs.items() if v is not None}
 
 
+_WRITTEN: dict[tuple[str, str, int | None], Path] = {}
+"""Each study written once per process, copied for every test that asks for it (writing one
+takes half a second of CPU, and several test modules write dozens)."""
+
+
 def write_finished_study(path: Path, *, gain_over: str = "graph", study_name: str = STUDY_NAME,
                          first: int | None = None) -> str:
     """Write the study to the SQLite file ``path``; returns its storage URL. ``first`` keeps
     only the first trials of ``SPECS``: a smaller job (the numbering, and so ``duplicate_of``,
-    stays right)."""
+    stays right). A file that exists already gets the study added beside those it holds."""
+    if Path(path).exists():
+        _write_study(path, gain_over=gain_over, study_name=study_name, first=first)
+        return f"sqlite:///{path}"
+    key = (gain_over, study_name, first)
+    written = _WRITTEN.get(key)
+    if written is None or not written.is_file():
+        written = Path(tempfile.mkdtemp(prefix="erase-tune-study-")) / "study.db"
+        _write_study(written, gain_over=gain_over, study_name=study_name, first=first)
+        _WRITTEN[key] = written
+    shutil.copyfile(written, path)
+    return f"sqlite:///{path}"
+
+
+def _write_study(path: Path, *, gain_over: str, study_name: str, first: int | None) -> None:
     url = f"sqlite:///{path}"
     study = optuna.create_study(storage=url, study_name=study_name, directions=["maximize", "minimize"])
     with warnings.catch_warnings():  # experimental in Optuna 5, and what the driver calls too
@@ -172,7 +193,6 @@ def write_finished_study(path: Path, *, gain_over: str = "graph", study_name: st
         study.add_trial(optuna.trial.create_trial(
             state=TrialState.COMPLETE, values=values, params=params, distributions=dists, user_attrs=attrs,
             system_attrs={"constraints": [slack]}, constraints={"ne_gap": slack}))
-    return url
 
 
 def confirm_front(db: Any, study_name: str, space_path: str, space_yaml: str) -> None:
