@@ -86,6 +86,51 @@ def stopped(signum: int) -> int:
     return 128 + signum
 
 
+RESEND_AFTER_S = 0.05
+"""How long after Python swallowed a signal's exception (see :func:`_unraisable`) it is sent again."""
+
+_resent = [0]
+"""Signals sent again by this module, not yet read by the watcher (not a user's second signal)."""
+_resent_lock = threading.Lock()
+
+
+def _resend(signum: int) -> None:
+    with _resent_lock:
+        _resent[0] += 1
+    signal.pthread_kill(threading.main_thread().ident, signum)
+
+
+def _was_resent() -> bool:
+    with _resent_lock:
+        if _resent[0]:
+            _resent[0] -= 1
+            return True
+    return False
+
+
+def _unraisable(previous: Callable[[Any], Any]) -> Callable[[Any], None]:
+    """A ``sys.unraisablehook`` that gives back a signal Python swallowed.
+
+    A handler raises where the main thread stands, and that may be inside a finalizer or a weakref
+    callback run by the garbage collector (seen: SQLAlchemy's class registry, while the dashboard
+    started). Python cannot raise from there: it prints the exception as "Exception ignored in"
+    with a traceback and goes on, and the command never stops (the dashboard served on). This
+    hook prints nothing for it and sends the signal to the main thread again a moment later, once
+    that code has returned, to be raised where the command stands then."""
+
+    def hook(unraisable: Any) -> None:
+        exc = unraisable.exc_value
+        if received and isinstance(exc, (Terminated, KeyboardInterrupt)):
+            signum = exc.signum if isinstance(exc, Terminated) else signal.SIGINT
+            timer = threading.Timer(RESEND_AFTER_S, _resend, args=(signum,))
+            timer.daemon = True
+            timer.start()
+            return
+        previous(unraisable)
+
+    return hook
+
+
 def _stopped_line(signum: int) -> str:
     if signum == signal.SIGINT:
         return "erase-tune: interrupted"
@@ -119,7 +164,7 @@ class _Watcher:
             if not data:  # the write end was closed: the command is over
                 return
             for signum in data:
-                if signum not in _HANDLED:
+                if signum not in _HANDLED or _was_resent():
                     continue
                 if self._first is None:  # the first signal: its handler raises where the command stands
                     self._first = threading.Timer(SAY_AFTER_S, self._still_running, args=(signum,))
@@ -164,7 +209,11 @@ def on_signals() -> Callable[[], None]:
     old: dict[int, Any] = {}
     watcher: list[_Watcher] = []
 
+    hook: list[Callable[[Any], Any]] = []
+
     def restore() -> None:
+        while hook:
+            sys.unraisablehook = hook.pop()
         while watcher:
             watcher.pop().close()
         while old:
@@ -178,6 +227,8 @@ def on_signals() -> Callable[[], None]:
     try:
         if ours:
             watcher.append(_Watcher())
+            hook.append(sys.unraisablehook)
+            sys.unraisablehook = _unraisable(hook[0])
         for sig, handler in ours:
             old[sig] = signal.getsignal(sig)
             signal.signal(sig, handler)

@@ -162,3 +162,41 @@ for exc in (Terminated(15), KeyboardInterrupt(), OSError("disk I/O error")):
     assert out.returncode == 0, out.stderr
     assert out.stderr.count("Exception closing connection") == 1 and "disk I/O error" in out.stderr, out.stderr
     assert "Terminated" not in out.stderr and "KeyboardInterrupt" not in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_that_lands_in_a_finalizer_still_ends_the_command(sig):
+    """The handler raises where the main thread stands, and that may be inside a finalizer or a
+    weakref callback the garbage collector runs, where Python cannot raise: it printed "Exception
+    ignored in" with a traceback and went on, and the dashboard served on after SIGTERM (seen in
+    the hostile-signals test). The signal is sent again once that code has returned: the command
+    ends with 128+N and one line, and the watcher does not take the second sending for a second
+    signal (which would end the process at once, without its clean-up)."""
+    code = f'''
+import os, signal, sys, time
+from erase_tune.cli import main
+import erase_tune.cli as cli
+
+class Finalized:
+    def __del__(self):
+        os.kill(os.getpid(), {int(sig)})
+        for _ in range(100_000):  # the handler runs in here, inside the finalizer
+            pass
+
+def command(ns):
+    Finalized()  # dropped at once: its finalizer runs, the signal's exception is swallowed there
+    time.sleep(10)  # what the command does next: a signal that is not lost ends this
+    print("the signal was lost", file=sys.stderr)
+    return 0
+
+cli.cmd_db = command
+cli.COMMANDS["db"] = (*cli.COMMANDS["db"][:2], command)
+sys.exit(main(["db", "current", "--storage", "sqlite:///nowhere.db"]))
+'''
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 128 + sig, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "erase-tune: interrupted" if sig == signal.SIGINT else "erase-tune: terminated by SIGTERM"], out.stderr
+    assert time.monotonic() - started < 10
