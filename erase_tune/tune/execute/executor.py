@@ -29,7 +29,7 @@ from erase_tune.errors import EraseTuneError, first_line, shown
 from erase_tune.measure.estimate import duration, phase_limit
 from erase_tune.tune.execute.outcome import ConfirmOutcome, Failure, TrialOutcome
 from erase_tune.tune.execute.task import ConfirmSpec, ReferenceOutcome, ReferenceSpec, TrialSpec
-from erase_tune.tune.execute.actors import WorkerGroup
+from erase_tune.tune.execute.actors import WorkerGroup, release
 
 __all__ = ["TrialHandle", "RayExecutor", "resolve_address", "runtime_env", "import_dirs"]
 
@@ -360,8 +360,7 @@ class RayExecutor:
         for handle in list(self._running.values()):
             self.cancel(handle, "interrupted")
         self._running.clear()
-        for g in self._groups:
-            g.destroy()
+        release(self._groups)
         if self._started_ray:
             self._ray.shutdown()
             self._started_ray = False
@@ -391,11 +390,11 @@ class RayExecutor:
         placement group waits for Ray's answer, which never comes if Ray's processes were
         stopped with this driver, and the driver must still hear a signal (:meth:`close`)."""
 
-        def release() -> None:
+        def free() -> None:
             with contextlib.suppress(Exception):  # its node may be gone already
-                group.destroy()
+                release([group])
 
-        threading.Thread(target=release, name="ray-release-group", daemon=True).start()
+        threading.Thread(target=free, name="ray-release-group", daemon=True).start()
         self._groups[self._groups.index(group)] = self._new_group()
 
 
