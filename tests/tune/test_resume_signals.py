@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import optuna
 import psutil
 import pytest
-import sqlalchemy.exc
 from optuna.trial import TrialState
 
 from erase_tune.store import Store
@@ -28,6 +29,22 @@ pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalW
 
 def _trials(url: str, name: str) -> list[optuna.trial.FrozenTrial]:
     return optuna.load_study(study_name=name, storage=url).get_trials()
+
+def _count(db: Path, state: str) -> int:
+    """Trials in ``state`` in a driver's SQLite file, read without writing to it: Optuna's
+    ``load_study`` creates the schema it finds missing, and raced the driver making it
+    (``UNIQUE constraint failed: alembic_version.version_num`` in the test's own read)."""
+    try:
+        conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=1)
+    except sqlite3.Error:  # no file yet
+        return 0
+    try:
+        return conn.execute("SELECT COUNT(*) FROM trials WHERE state = ?", (state,)).fetchone()[0]
+    except sqlite3.Error:  # no table yet, or the file is locked
+        return 0
+    finally:
+        conn.close()
+
 
 def _ray_processes_of(pid: int) -> list[psutil.Process]:
     try:
@@ -51,11 +68,7 @@ def test_kill_9_then_rerun_finishes_with_nothing_running(tmp_path):
     driver = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline, running = time.monotonic() + 120, False
     while not running and time.monotonic() < deadline and driver.poll() is None:  # until a trial runs
-        if os.path.exists(tmp_path / "kill.db"):
-            try:
-                running = any(t.state == TrialState.RUNNING for t in _trials(url, "kill"))
-            except (KeyError, sqlalchemy.exc.OperationalError):  # no study yet, or its schema half made
-                pass
+        running = _count(tmp_path / "kill.db", "RUNNING") > 0
         time.sleep(0.3)
     time.sleep(1.0)
     ray_procs = _ray_processes_of(driver.pid)
@@ -97,12 +110,7 @@ def test_sigterm_ends_the_job_as_interrupted_with_nothing_running(tmp_path):
                                "--storage", url, "--slots", "1", "--no-confirm"], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if any(t.state == TrialState.COMPLETE for t in _trials(url, "term")):
-                break
-        except (KeyError, Exception):  # noqa: BLE001 - not created yet
-            pass
+    while time.monotonic() < deadline and _count(tmp_path / "term.db", "COMPLETE") == 0:
         time.sleep(0.3)
     driver.send_signal(signal.SIGTERM)
     _, err = driver.communicate(timeout=60)
