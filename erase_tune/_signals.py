@@ -95,6 +95,8 @@ _resent_lock = threading.Lock()
 
 
 def _resend(signum: int) -> None:
+    if signal.getsignal(signum) not in (terminate, _interrupt):  # the command has ended: nothing to stop
+        return
     with _resent_lock:
         _resent[0] += 1
     signal.pthread_kill(threading.main_thread().ident, signum)
