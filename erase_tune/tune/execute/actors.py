@@ -21,7 +21,6 @@ be timed at a fraction of its speed. Trial workers keep the priority they start 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib
 import os
