@@ -257,36 +257,38 @@ class RayExecutor:
 
     def confirm(self, spec: ConfirmSpec, timeout: float, attempts: int = 3,
                 expected_s: float | None = None) -> ConfirmOutcome:
-        """Run a confirmation on a free slot and wait for it (per attempt, at most ``timeout``
-        seconds, or :func:`~erase_tune.measure.estimate.phase_limit` of ``expected_s``, what it
-        should take, when that is shorter); a worker or node lost meanwhile is an infrastructure
-        failure, retried on a fresh slot like a trial's."""
-        outcome = ConfirmOutcome(failure=Failure(kind="infra", reason="no attempt made"))
+        """Run a confirmation on a free slot and wait for it (in all, at most ``timeout`` seconds,
+        or :func:`~erase_tune.measure.estimate.phase_limit` of ``expected_s``, what it should take,
+        when that is shorter); a worker or node lost meanwhile is an infrastructure failure, retried
+        on a fresh slot like a trial's within what is left of that limit: the limit announced is
+        the one kept."""
         limit = phase_limit(expected_s, timeout)
-        for _ in range(attempts):
-            outcome = self._confirm_once(spec, limit, expected_s)
-            if outcome.failure is None or outcome.failure.kind != "infra":
-                break
-        return outcome
-
-    def _confirm_once(self, spec: ConfirmSpec, timeout: float, expected_s: float | None) -> ConfirmOutcome:
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + limit
         what = {"speed": f"re-timing {len(spec.plans)} front plan(s) over {spec.windows} windows",
                 "quality": f"training {len(spec.plans)} front plan(s) on other data orders for their NE gap",
                 "noise": "measuring the NE gap's noise floor"}.get(spec.task, spec.task)
         about = f"about {duration(expected_s)}, " if expected_s else ""
-        log.info(f"{what} on one trial slot: {about}stopped after {duration(timeout)} at most; Ctrl-C stops (nothing "
+        log.info(f"{what} on one trial slot: {about}stopped after {duration(limit)} at most; Ctrl-C stops (nothing "
                  "is stored for an unfinished confirmation)")
-        while not self.idle():
-            if time.monotonic() > deadline:
-                return ConfirmOutcome(failure=Failure(kind="infra", reason="no free trial slot for the confirmation"))
-            time.sleep(0.2)
-        group = next(g for g in self._groups if g.state == "ready" and g not in {h.group for h in self.running})
+        outcome = ConfirmOutcome(failure=Failure(kind="infra", reason="no attempt made"))
+        for attempt in range(attempts):
+            if attempt:
+                log.info(f"{what}: {outcome.failure.reason}; again on a fresh slot "
+                         f"({duration(deadline - time.monotonic())} of its limit left)")
+            outcome = self._confirm_once(spec, deadline, limit)
+            if outcome.failure is None or outcome.failure.kind != "infra" or time.monotonic() >= deadline:
+                break
+        return outcome
+
+    def _confirm_once(self, spec: ConfirmSpec, deadline: float, limit: float) -> ConfirmOutcome:
+        group = self._free_slot(deadline)
+        if group is None:
+            return ConfirmOutcome(failure=Failure(kind="infra", reason="no free trial slot for the confirmation"))
         ref = group.confirm(dataclasses.replace(spec, device=self.device))
         ready, _ = self._ray.wait([ref], timeout=max(1.0, deadline - time.monotonic()))
         if not ready:
             self._replace(group)
-            return ConfirmOutcome(failure=Failure(kind="trial", reason=f"confirmation timed out after {timeout:.0f}s"))
+            return ConfirmOutcome(failure=Failure(kind="trial", reason=f"confirmation timed out after {limit:.0f}s"))
         try:
             return self._ray.get(ref)
         except self._ray.exceptions.RayTaskError as e:
@@ -296,18 +298,26 @@ class RayExecutor:
             self._replace(group)
             return ConfirmOutcome(failure=Failure(kind="infra", reason=f"worker died: {first_line(e)}"))
 
+    def _free_slot(self, deadline: float) -> WorkerGroup | None:
+        """A ready slot with no trial, waited for until ``deadline`` (then None)."""
+        while not self.idle():
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.2)
+        busy = {h.group for h in self.running}
+        return next(g for g in self._groups if g.state == "ready" and g not in busy)
+
     def reference(self, spec: ReferenceSpec, timeout: float, attempts: int = 3) -> ReferenceOutcome:
-        """Try the whole-step-graph reference on a free slot (rank 0's GPU) and wait for it; a
-        lost worker is retried on a fresh slot. The slot is replaced after any try that did not
-        capture: a failed capture can leave its process's CUDA state unfit for measuring."""
+        """Try the whole-step-graph reference on a free slot (rank 0's GPU) and wait for it (in
+        all, at most ``timeout`` seconds); a lost worker is retried on a fresh slot within what is
+        left. The slot is replaced after any try that did not capture: a failed capture can leave
+        its process's CUDA state unfit for measuring."""
         outcome = ReferenceOutcome(failure=Failure(kind="infra", reason="no attempt made"))
+        deadline = time.monotonic() + timeout
         for _ in range(attempts):
-            deadline = time.monotonic() + timeout
-            while not self.idle():
-                if time.monotonic() > deadline:
-                    return ReferenceOutcome(failure=Failure(kind="infra", reason="no free trial slot for the try"))
-                time.sleep(0.2)
-            group = next(g for g in self._groups if g.state == "ready" and g not in {h.group for h in self.running})
+            group = self._free_slot(deadline)
+            if group is None:
+                return ReferenceOutcome(failure=Failure(kind="infra", reason="no free trial slot for the try"))
             ref = group.actors[0].reference.remote(dataclasses.replace(spec, device=self.device))
             ready, _ = self._ray.wait([ref], timeout=max(1.0, deadline - time.monotonic()))
             if not ready:
@@ -322,7 +332,7 @@ class RayExecutor:
                     outcome = ReferenceOutcome(failure=Failure(kind="infra", reason=f"worker died: {first_line(e)}"))
             if outcome.reason is not None:
                 self._replace(group)
-            if outcome.failure is None or outcome.failure.kind != "infra":
+            if outcome.failure is None or outcome.failure.kind != "infra" or time.monotonic() >= deadline:
                 break
         return outcome
 

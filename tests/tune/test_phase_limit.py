@@ -1,0 +1,42 @@
+"""A confirmation or reference try that cannot get a slot stops at the limit it announced, not
+at that limit once per retry (real local Ray): "stopped after 5m00s at most" was printed while
+three tries on a cluster that had lost a node could wait five minutes each."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from erase_tune.tune.execute.executor import RayExecutor
+from erase_tune.tune.execute.task import ConfirmSpec, ReferenceSpec, TrialSpec
+from tests.tune.faulty import TINY_CTR
+
+FAULTY = "tests.tune.faulty:workload"
+LIMIT_S = 3.0
+
+
+def test_a_phase_with_no_free_slot_ends_at_the_limit_it_announced(ray_cluster, caplog):
+    executor = RayExecutor(workload=FAULTY, slots=1, device="cpu")
+    try:
+        executor.wait_ready()
+        # The only slot is taken by a trial that never ends: no try can get a slot.
+        hung = executor.submit(TrialSpec(trial_number=0, workload=FAULTY, workload_args={"mode": "hang", **TINY_CTR},
+                                         plan={}, budget={}))
+        spec = ConfirmSpec(workload=FAULTY, workload_args=TINY_CTR, plans={}, budget={}, windows=2,
+                           gain_over="eager", task="noise")
+        with caplog.at_level(logging.INFO, logger="erase_tune"):
+            began = time.monotonic()
+            outcome = executor.confirm(spec, timeout=LIMIT_S, attempts=3)
+            took = time.monotonic() - began
+        assert outcome.failure is not None and outcome.failure.reason == "no free trial slot for the confirmation"
+        assert "stopped after 3s at most" in caplog.text
+        assert LIMIT_S <= took < 2 * LIMIT_S, f"announced {LIMIT_S:.0f}s, took {took:.1f}s"  # 3 tries: 9s before
+
+        began = time.monotonic()
+        ref = executor.reference(ReferenceSpec(workload=FAULTY, workload_args=TINY_CTR), timeout=LIMIT_S, attempts=3)
+        took = time.monotonic() - began
+        assert ref.failure is not None and ref.failure.reason == "no free trial slot for the try"
+        assert LIMIT_S <= took < 2 * LIMIT_S, f"limit {LIMIT_S:.0f}s, took {took:.1f}s"
+        executor.cancel(hung, "test over")
+    finally:
+        executor.close()
