@@ -19,12 +19,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import optuna
 import pytest
 import yaml
 from optuna.trial import TrialState
+from ray.job_submission import JobStatus, JobSubmissionClient
 
 from erase_tune.runtime import ErasePlan
 from erase_tune.store import Store
@@ -60,6 +62,30 @@ def _nodes_alive(address: str) -> int:
             "print(sum(n['Alive'] for n in ray.nodes()))" % address)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=60)
     return int(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else 0
+
+
+def _submit(job_address: str, work: Path, entry: str) -> str:
+    """``ray job submit --working-dir`` as a user types it (not waiting: the log stream of a
+    waiting submit can stall while the job goes on); returns the job's submission id."""
+    job = f"erase-tune-{uuid.uuid4().hex[:12]}"
+    done = subprocess.run([RAY, "job", "submit", "--address", job_address, "--submission-id", job, "--no-wait",
+                           "--working-dir", str(work), "--", "sh", "-c", entry],
+                          env=ENV, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return job
+
+
+def _finish(client: JobSubmissionClient, job: str, timeout: float) -> tuple[JobStatus, str]:
+    """The job's final status and its whole log; a job still running after ``timeout`` seconds
+    is stopped and fails the test with its log (where it stood, not only that it ran long)."""
+    deadline = time.monotonic() + timeout
+    while not (status := client.get_job_status(job)).is_terminal():
+        if time.monotonic() > deadline:
+            log = client.get_job_logs(job)
+            client.stop_job(job)
+            pytest.fail(f"the job still ran {timeout:.0f}s later ({status}); its log:\n{log[-8000:]}")
+        time.sleep(1)
+    return status, client.get_job_logs(job)
 
 
 @pytest.fixture
@@ -105,8 +131,9 @@ def two_nodes(tmp_path):
         shutil.rmtree(temp, ignore_errors=True)
 
 
-def test_ray_job_submit_on_two_nodes_with_postgres(two_nodes, pg_url, tmp_path):
+def test_ray_job_submit_on_two_nodes_with_postgres(two_nodes, pg_url, tmp_path, monkeypatch):
     gcs, job_address, node2 = two_nodes
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # the job client here, as ENV for the ray CLI
     work = tmp_path / "job"
     for rel, text in doc_files().items():  # the user's package, exactly as docs/workloads.md writes it
         (work / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -120,13 +147,13 @@ def test_ray_job_submit_on_two_nodes_with_postgres(two_nodes, pg_url, tmp_path):
     # `start` in the same entrypoint (deploy/README.md says so too).
     entry = (f"{sys.executable} -m erase_tune db upgrade --storage {pg_url}"
              f" && {sys.executable} -m erase_tune start --space ranker.yaml --study rayjob --storage {pg_url} --repeats 3")
-    job = subprocess.Popen([RAY, "job", "submit", "--address", job_address, "--working-dir", str(work), "--",
-                            "sh", "-c", entry], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    client = JobSubmissionClient(job_address)
+    job = _submit(job_address, work, entry)
 
     # Once each node has measured a trial, stop the second node (SIGKILL: a lost machine).
     nodes: set[str] = set()
     deadline = time.monotonic() + 400
-    while len(nodes) < 2 and time.monotonic() < deadline and job.poll() is None:
+    while len(nodes) < 2 and time.monotonic() < deadline and not client.get_job_status(job).is_terminal():
         try:
             trials = optuna.load_study(study_name="rayjob", storage=pg_url).get_trials()
             nodes = {t.user_attrs["ray_node"] for t in trials if t.state == TrialState.COMPLETE}
@@ -134,20 +161,18 @@ def test_ray_job_submit_on_two_nodes_with_postgres(two_nodes, pg_url, tmp_path):
             pass
         time.sleep(1)
     if len(nodes) < 2:  # the job ended (or stalled) before both nodes measured: show what it printed
-        if job.poll() is None:
-            job.kill()
-        out, _ = job.communicate(timeout=60)
-        pytest.fail(f"trials ran on {nodes}; job exit {job.returncode}; job output:\n{out[-4000:]}")
+        status = client.get_job_status(job)
+        client.stop_job(job)
+        pytest.fail(f"trials ran on {nodes}; job {status}; job log:\n{client.get_job_logs(job)[-4000:]}")
     os.killpg(node2.pid, signal.SIGKILL)
 
-    out, _ = job.communicate(timeout=600)
-    assert job.returncode == 0, out[-4000:]
+    status, out = _finish(client, job, 600)
+    assert status == JobStatus.SUCCEEDED, out[-4000:]
     assert "re-measured" in out  # the end of start confirmed the front
     export = (f"{sys.executable} -m erase_tune export --study rayjob --storage {pg_url} --repeats 3 --force -o best.yaml"
               f" && cp best.yaml {tmp_path / 'best.yaml'}")
-    done = subprocess.run([RAY, "job", "submit", "--address", job_address, "--working-dir", str(work), "--",
-                           "sh", "-c", export], env=ENV, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-4000:]
+    status, out = _finish(client, _submit(job_address, work, export), 600)
+    assert status == JobStatus.SUCCEEDED, out[-4000:]
     trials = optuna.load_study(study_name="rayjob", storage=pg_url).get_trials()
     assert not [t for t in trials if t.state == TrialState.RUNNING]
     measured = [t for t in trials if t.state == TrialState.COMPLETE and "duplicate_of" not in t.user_attrs]
