@@ -59,3 +59,26 @@ def test_a_phase_with_no_free_slot_ends_at_the_limit_it_announced(ray_cluster):
         executor.cancel(hung, "test over")
     finally:
         executor.close()
+
+
+def test_a_phase_gets_the_slot_of_a_trial_that_finished_meanwhile(ray_cluster):
+    """The job's one thread records nothing while a phase waits for a slot: a trial that ends then
+    gives its slot to the phase, and its outcome still comes from ``wait`` afterwards. (A noise
+    floor retried after its node was lost waited five minutes for the other slot, whose trial had
+    ended seconds after the retry began, and the job failed.)"""
+    executor = RayExecutor(workload=FAULTY, slots=1, device="cpu")
+    try:
+        executor.wait_ready()
+        budget = {"warmup_steps": 5, "windows": 2, "max_windows": 2, "window_steps": 2}
+        executor.submit(TrialSpec(trial_number=7, workload=FAULTY, workload_args={"mode": "ok", **TINY_CTR},
+                                  plan={}, budget=budget))
+        began = time.monotonic()
+        ref = executor.reference(ReferenceSpec(workload=FAULTY, workload_args={"mode": "ok", **TINY_CTR}),
+                                 timeout=120)
+        assert ref.failure is None, ref.failure
+        assert time.monotonic() - began < 60  # the slot came back when the trial ended, not at the limit
+        done = executor.wait(timeout=0)
+        assert [(h.spec.trial_number, o.complete) for h, o in done] == [(7, True)], [o.failure for _, o in done]
+        assert executor.wait(timeout=0) == [] and not executor.running
+    finally:
+        executor.close()

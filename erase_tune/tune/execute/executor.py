@@ -146,6 +146,8 @@ class RayExecutor:
                          f"{'GPU' if self.use_gpu else 'CPU'}(s)")
         self._workload = workload
         self._running: dict[Any, TrialHandle] = {}
+        self._finished: list[tuple[TrialHandle, TrialOutcome]] = []
+        """Trials that ended while a phase waited for a slot, until :meth:`wait` returns them."""
         self._groups = [self._new_group() for _ in range(self.slots)]
         self._since_ready = time.monotonic()
         self._wait_said: float | None = None
@@ -233,24 +235,34 @@ class RayExecutor:
         return list(self._running.values())
 
     def wait(self, timeout: float) -> list[tuple[TrialHandle, TrialOutcome]]:
-        """Trials that finished within ``timeout`` seconds, with their outcomes."""
+        """Trials that finished within ``timeout`` seconds (or already, while a phase waited for
+        a slot), with their outcomes."""
+        if not self._finished:
+            self._harvest(timeout)
+        done, self._finished = self._finished, []
+        return done
+
+    def _harvest(self, timeout: float) -> None:
+        """Move the trials that finish within ``timeout`` seconds from running to finished: their
+        outcomes read, a failed one's slot replaced, each slot free again for what comes next."""
         if not self._running:
             time.sleep(min(timeout, 0.2))
-            return []
+            return
         ready, _ = self._ray.wait(list(self._running), num_returns=1, timeout=timeout)
         if ready:
             ready, _ = self._ray.wait(list(self._running), num_returns=len(self._running), timeout=0)
-        done = []
         for ref in ready:
             handle = self._running.pop(ref)
             outcome = self._outcome(handle)
             if not outcome.complete:
                 self._replace(handle.group)
-            done.append((handle, outcome))
-        return done
+            self._finished.append((handle, outcome))
 
     def cancel(self, handle: TrialHandle, reason: str) -> None:
-        """Kill a trial's workers; its outcome (failed, with ``reason``) comes from :meth:`wait`."""
+        """Kill a trial's workers; its outcome (failed, with ``reason``) comes from :meth:`wait`.
+        A trial that has finished already keeps its outcome (its slot may be running a phase)."""
+        if handle.ref not in self._running:
+            return
         handle.cancel_reason = reason
         for a in handle.group.actors:
             self._ray.kill(a, no_restart=True)
@@ -299,8 +311,14 @@ class RayExecutor:
             return ConfirmOutcome(failure=Failure(kind="infra", reason=f"worker died: {first_line(e)}"))
 
     def _free_slot(self, deadline: float) -> WorkerGroup | None:
-        """A ready slot with no trial, waited for until ``deadline`` (then None)."""
-        while not self.idle():
+        """A ready slot with no trial, waited for until ``deadline`` (then None). A trial that
+        ends meanwhile gives its slot back here (its outcome waits for :meth:`wait`): the caller
+        (the job's one thread) records nothing while it waits, and a phase retried after its slot's
+        node was lost waited out its limit for a slot whose trial had long finished."""
+        while True:
+            self._harvest(0)
+            if self.idle():
+                break
             if time.monotonic() > deadline:
                 return None
             time.sleep(0.2)
@@ -370,6 +388,7 @@ class RayExecutor:
         for handle in list(self._running.values()):
             self.cancel(handle, "interrupted")
         self._running.clear()
+        self._finished.clear()
         release(self._groups)
         if self._started_ray:
             self._ray.shutdown()
