@@ -14,6 +14,7 @@ import torch
 
 from erase_tune import Cut, EraseEngine, ErasePlan, Placement
 from erase_tune.runtime.join import LazyJoin, Pending, _tensors, _written
+from tests.loglines import erase_tune_lines
 from tests.runtime.models import Toy, loss_fn, toy_batch
 from tests.runtime.test_engine import engine_grads, reference_grads
 
@@ -149,30 +150,16 @@ def test_a_guarded_forward_that_sees_a_write_to_a_side_input_stays_guarded():
     assert join.verified and join.guarded and join.hazards == 1
 
 
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def test_the_fast_way_switches_back_to_guarded_on_a_write_it_finds():
     join = LazyJoin(torch.device("cpu"), guarded=False)
     x = torch.ones(4)
-    seen = _Lines()
-    logger = logging.getLogger("erase_tune")  # the CLI may have turned propagation off in this process
-    logger.addHandler(seen)
-    try:
+    with erase_tune_lines(logging.WARNING) as seen:
         with join:
             join.add([x * 2], [x], done=None, stream=None)
             x.mul_(3)  # the fast way does not see this as it happens: the version counter does, at the end
         join.clear()
-    finally:
-        logger.removeHandler(seen)
     assert join.guarded and join.hazards == 1
-    assert any("checked op by op" in line for line in seen.lines)
+    assert any("checked op by op" in line for line in seen)
     # a side forward that writes its own input switches at once: later readers of it must wait
     fast = LazyJoin(torch.device("cpu"), guarded=False)
     with fast:

@@ -4,27 +4,15 @@ three tries on a cluster that had lost a node could wait five minutes each."""
 
 from __future__ import annotations
 
-import logging
 import time
 
 from erase_tune.tune.execute.executor import RayExecutor
 from erase_tune.tune.execute.task import ConfirmSpec, ReferenceSpec, TrialSpec
+from tests.loglines import erase_tune_lines
 from tests.tune.faulty import TINY_CTR
 
 FAULTY = "tests.tune.faulty:workload"
 LIMIT_S = 3.0
-
-
-class _Lines(logging.Handler):
-    """The erase_tune log's lines (a handler of its own: another test's CLI run may have set the
-    logger not to propagate, which pytest's caplog relies on)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
 
 
 def test_a_phase_with_no_free_slot_ends_at_the_limit_it_announced(ray_cluster):
@@ -36,19 +24,12 @@ def test_a_phase_with_no_free_slot_ends_at_the_limit_it_announced(ray_cluster):
                                          plan={}, budget={}))
         spec = ConfirmSpec(workload=FAULTY, workload_args=TINY_CTR, plans={}, budget={}, windows=2,
                            gain_over="eager", task="noise")
-        log, said = logging.getLogger("erase_tune"), _Lines()
-        level = log.level
-        log.setLevel(logging.INFO)
-        log.addHandler(said)
-        try:
+        with erase_tune_lines() as said:
             began = time.monotonic()
             outcome = executor.confirm(spec, timeout=LIMIT_S, attempts=3)
             took = time.monotonic() - began
-        finally:
-            log.removeHandler(said)
-            log.setLevel(level)
         assert outcome.failure is not None and outcome.failure.reason == "no free trial slot for the confirmation"
-        assert any("stopped after 3s at most" in line for line in said.lines), said.lines
+        assert any("stopped after 3s at most" in line for line in said), said
         assert LIMIT_S <= took < 2 * LIMIT_S, f"announced {LIMIT_S:.0f}s, took {took:.1f}s"  # 3 tries: 9s before
 
         began = time.monotonic()

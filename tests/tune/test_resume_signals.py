@@ -30,6 +30,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalW
 def _trials(url: str, name: str) -> list[optuna.trial.FrozenTrial]:
     return optuna.load_study(study_name=name, storage=url).get_trials()
 
+
 def _count(db: Path, state: str) -> int:
     """Trials in ``state`` in a driver's SQLite file, read without writing to it: Optuna's
     ``load_study`` creates the schema it finds missing, and raced the driver making it

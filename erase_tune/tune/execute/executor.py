@@ -222,8 +222,7 @@ class RayExecutor:
             time.sleep(0.2)
 
     def submit(self, spec: TrialSpec) -> TrialHandle:
-        busy = {h.group for h in self._running.values()}
-        group = next(g for g in self._groups if g.state == "ready" and g not in busy)
+        group = self._free_group()
         spec = dataclasses.replace(spec, device=self.device)
         ref, others = group.run(spec)
         handle = TrialHandle(spec=spec, group=group, ref=ref, others=others)
@@ -322,7 +321,11 @@ class RayExecutor:
             if time.monotonic() > deadline:
                 return None
             time.sleep(0.2)
-        busy = {h.group for h in self.running}
+        return self._free_group()
+
+    def _free_group(self) -> WorkerGroup:
+        """The first ready slot with no trial (:meth:`idle` said there is one)."""
+        busy = {h.group for h in self._running.values()}
         return next(g for g in self._groups if g.state == "ready" and g not in busy)
 
     def reference(self, spec: ReferenceSpec, timeout: float, attempts: int = 3) -> ReferenceOutcome:
