@@ -109,8 +109,10 @@ def write_space(path: Path, *, workload: str = "ctr", args: dict[str, Any] | Non
         "sampler": {"name": "random", "seed": 0},
         # No noise floor and no quality confirmation unless a test asks: both call make_data,
         # which claims the fault scripts' tickets (tests/tune/test_noise_service.py covers them).
+        # The front's re-measurement stops at 8 windows: a loaded machine's noise would time it on
+        # to the default 40.
         "budget": {"warmup_steps": 5, "windows": 1, "window_steps": 2, "quality_steps": 5, "timeout_s": 60,
-                   "noise_repeats": 0, "quality_scale": 0, **(budget or {})},
+                   "noise_repeats": 0, "quality_scale": 0, "confirm_max_windows": 8, **(budget or {})},
         "trials": 3,
         "device": "cpu",
         **fields,

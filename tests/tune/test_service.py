@@ -17,10 +17,10 @@ from tests.tune.conftest import ROOT, SMOKE, run_cli
 
 
 def test_start_status_export_train(storage_url, ray_cluster, tmp_path, capsys, python):
-    # The shipped smoke space, its stop rule capped at 6 windows: a loaded machine's noise would
-    # time every trial on to the 20 it allows, and load the machine more.
+    # The shipped smoke space, its stop rules capped at 6 windows for a trial and 8 for the front's
+    # re-measurement: a loaded machine's noise would time them on to the 20 and 40 they allow.
     space = tmp_path / "ctr-smoke.yaml"
-    space.write_text(SMOKE.read_text().replace("budget: {", "budget: {max_windows: 6, ", 1))
+    space.write_text(SMOKE.read_text().replace("budget: {", "budget: {max_windows: 6, confirm_max_windows: 8, ", 1))
     assert run_cli("start", "--space", space, "--study", "svc", "--trials", 6, "--storage", storage_url,
                    "--repeats", 3) == 0
     captured = capsys.readouterr()
@@ -60,7 +60,8 @@ def test_start_status_export_train(storage_url, ray_cluster, tmp_path, capsys, p
     windows = sorted(set(o.samples["candidate"]["window"]))
     assert 4 <= len(windows) <= 6 and windows == list(range(len(windows)))
     assert len(o.samples["candidate"]["steps_s"]) == 5 * len(windows)
-    assert store.confirmations(job)  # the end of start re-measured the front
+    confirmations = store.confirmations(job)  # the end of start re-measured the front
+    assert confirmations and all(3 <= c.windows <= 8 for c in confirmations)
     assert store.noise_floor(job).band == band
     store.close()
 

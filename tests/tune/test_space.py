@@ -75,6 +75,9 @@ def test_gpus_per_trial_defaults_to_one():
         (("trials: 8", "trials: 8\nbogus: 1"), "'bogus': unknown field"),
         (("low: 0.1", "low: 5.0"), "cuts.aux_weight: need 0 < low <= high"),
         (("warmup_steps: 5", "warmup_steps: 1"), "budget.warmup_steps: 1 is too short"),
+        (("warmup_steps: 5", "confirm_max_windows: 1, warmup_steps: 5"),
+         "budget.confirm_max_windows: 1 must be an integer in 2..1000"),
+        (("warmup_steps: 5", "confirm_max_windows: 12.5, warmup_steps: 5"), "budget.confirm_max_windows: 12.5"),
         (("stream: 3}", "stream: 7}"), "seeds[1].plan.cuts[1].stream: 7 is out of range"),
         (("graph: [false, true]", "graph: maybe"), "cuts.graph: must be true, false, or a list of them"),
         (("workload: {name: ctr, args: {batch: 64}}", "workload: {args: {}}"), "workload.name: required"),
@@ -108,6 +111,11 @@ def test_malformed_shapes_are_one_line(text, needle):
     with pytest.raises(SpaceError) as e:
         space(text)
     assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_the_front_is_re_measured_for_at_most_confirm_max_windows():
+    assert space().budget.confirm_max_windows == 40  # the default: about what ±2% needs on a host-bound step
+    assert space(SPACE.replace("warmup_steps: 5", "confirm_max_windows: 8, warmup_steps: 5", 1)).budget.confirm_max_windows == 8
 
 
 def test_missing_and_malformed_files(tmp_path):

@@ -50,7 +50,7 @@ from erase_tune.measure.noise import quality_trainings
 from erase_tune.runtime import EraseEngine, ErasePlan
 from erase_tune.runtime.device import resolve_device
 from erase_tune.measure.trial import GRAPH_WARMUP, reference_capture_error
-from erase_tune.tune.run.confirm import CONFIRM_MAX_WINDOWS, MAX_CONFIRMED
+from erase_tune.tune.run.confirm import MAX_CONFIRMED
 from erase_tune.tune.search.checks import check_space
 from erase_tune.tune.search.codec import BoundSpace
 from erase_tune.tune.search.screen import Screen
@@ -229,7 +229,7 @@ def phases(space: SearchSpace, cost: StepCost, *, left: int, singles: int | None
     job = JobShape(screen_plans=screen, search_trials=left - screen,
                    noise_runs=(b.noise_repeats + 1) if b.noise_repeats and noise_due else 0,
                    confirm_plans=MAX_CONFIRMED if confirm_windows else 0, confirm_min_windows=confirm_windows,
-                   confirm_max_windows=max(confirm_windows, CONFIRM_MAX_WINDOWS), quality_runs=quality_runs)
+                   confirm_max_windows=max(confirm_windows, space.budget.confirm_max_windows), quality_runs=quality_runs)
     out = job_phases(cost, trial, job)
     if slots > 1:  # trials share the slots; the rest runs on one
         out = [dataclasses.replace(p, low_s=p.low_s / slots, high_s=p.high_s / slots)

@@ -33,15 +33,14 @@ from erase_tune.tune.search.study import Attr, FrontPoint, noise_band
 
 log = logging.getLogger("erase_tune")
 
-__all__ = ["MAX_CONFIRMED", "CONFIRM_HALFWIDTH", "CONFIRM_MAX_WINDOWS", "MIN_CONFIRM_WINDOWS", "PICKS", "Choice",
+__all__ = ["MAX_CONFIRMED", "CONFIRM_HALFWIDTH", "MIN_CONFIRM_WINDOWS", "PICKS", "Choice",
            "choose", "pick_point", "confirm_front", "confirm_quality_front", "quality_refused", "with_quality"]
 
 MAX_CONFIRMED = 3
 """Front plans re-measured at most (best search gains first): the top few, in one process."""
 CONFIRM_HALFWIDTH = 0.02
-"""A confirmation measures each plan until its gain's 95% interval is within ±2 points."""
-CONFIRM_MAX_WINDOWS = 40
-"""... or until this many windows (a host-bound step needs about 30 for ±2%)."""
+"""A confirmation measures each plan until its gain's 95% interval is within ±2 points, or for
+the space's ``budget.confirm_max_windows``."""
 MIN_CONFIRM_WINDOWS = 2
 """Least windows a confirmation may be asked for (``--repeats``): an interval needs two
 (:func:`erase_tune.measure.confirm.confirm_plans` refuses fewer, but only once the trials have run)."""
@@ -58,10 +57,10 @@ def _confirmed(executor: Any, spec: ConfirmSpec, *, timeout: float, expected_s: 
 
 
 def confirm_front(db: Storage, study: optuna.Study, space: SearchSpace, executor: Any, front: list[FrontPoint], *,
-                  windows: int, max_windows: int = CONFIRM_MAX_WINDOWS,
+                  windows: int, max_windows: int | None = None,
                   expected_s: float | None = None) -> dict[int, tuple[float, float, float]]:
     """Re-measure the best ``MAX_CONFIRMED`` front plans on ``executor`` (at least ``windows``
-    windows, at most ``max_windows``; ``expected_s``: what that should take, when known) and
+    windows, at most ``max_windows``, by default the space's ``budget.confirm_max_windows``; ``expected_s``: what that should take, when known) and
     store the results."""
     job = db.store.get_job(study.study_name)
     points = front[:MAX_CONFIRMED]
@@ -69,7 +68,8 @@ def confirm_front(db: Storage, study: optuna.Study, space: SearchSpace, executor
     budget = dataclasses.asdict(space.budget.per_trial)
     spec = ConfirmSpec(workload=wl["name"], workload_args=wl["args"], plans={str(p.number): p.plan for p in points},
                        budget=budget, windows=windows, gain_over=study.user_attrs.get(Attr.GAIN_OVER, "eager"),
-                       max_windows=max(windows, max_windows), halfwidth=CONFIRM_HALFWIDTH)
+                       max_windows=max(windows, space.budget.confirm_max_windows if max_windows is None else max_windows),
+                       halfwidth=CONFIRM_HALFWIDTH)
     res = _confirmed(executor, spec, timeout=float(space.budget.timeout_s) * 2, expected_s=expected_s,
                      what="confirmation")
     out = {}

@@ -54,7 +54,6 @@ from erase_tune.tune.search.codec import BoundSpace
 from erase_tune.tune.search.screen import Screen
 from erase_tune.tune.execute.executor import RayExecutor, import_dirs, runtime_env
 from erase_tune.tune.run.confirm import (
-    CONFIRM_MAX_WINDOWS,
     MAX_CONFIRMED,
     MIN_CONFIRM_WINDOWS,
     Choice,
@@ -491,8 +490,8 @@ def _quality_seconds(space: SearchSpace, cost: StepCost | None, points: list[Fro
 
 
 def _confirm_windows(space: SearchSpace, cost: StepCost | None, windows: int, seconds_left: float | None) -> int:
-    """The confirmation's cap of windows: :data:`CONFIRM_MAX_WINDOWS`, or what the time left allows."""
-    cap = max(windows, CONFIRM_MAX_WINDOWS)
+    """The confirmation's cap of windows: the space's ``budget.confirm_max_windows``, or what the time left allows."""
+    cap = max(windows, space.budget.confirm_max_windows)
     if seconds_left is None or cost is None:
         return cap
     b = space.budget.per_trial

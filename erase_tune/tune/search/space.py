@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from erase_tune._files import aux_weight_problem, load_yaml, read_text
-from erase_tune.measure.confirm import GAIN_OVER
+from erase_tune.measure.confirm import GAIN_OVER, MAX_CONFIRM_WINDOWS
 from erase_tune.errors import EraseTuneError, PlanError, one_line, shown
 from erase_tune.runtime import DISPATCH_MODES, Cut, ErasePlan
 from erase_tune.runtime.plan import MAX_STREAMS, MAX_TARGETS
@@ -162,6 +162,10 @@ class BudgetSpec:
     """Steps and windows (its seed is the space's ``seed``)."""
     timeout_s: float
     """A trial running longer is cancelled and recorded as failed."""
+    confirm_max_windows: int = 40
+    """Windows a re-measurement of the front (the end of ``start``, ``export``) takes at most:
+    it stops earlier once each gain's interval is within ±2 points (a host-bound step needs
+    about 30 windows for that; a noisy CPU may never get there)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -346,9 +350,9 @@ def _budget(b: Any, seed: Any) -> tuple[BudgetSpec, int]:
     """The budget, and the file's ``seed`` (checked here, after the budget's fields: its seed)."""
     b = _mapping(b, "budget", "a mapping")
     _known(b, {"warmup_steps", "windows", "max_windows", "halfwidth", "window_steps", "quality_steps", "timeout_s",
-               "noise_repeats", "quality_scale", "quality_seeds"}, "budget.")
+               "noise_repeats", "quality_scale", "quality_seeds", "confirm_max_windows"}, "budget.")
     seed = _int(seed, "seed", 0, MAX_SEED)
-    steps = {k: _int(v, f"budget.{k}", 0, MAX_STEPS) for k, v in b.items() if k not in ("timeout_s", "halfwidth")}
+    steps = {k: _int(v, f"budget.{k}", 0, MAX_STEPS) for k, v in b.items() if k not in ("timeout_s", "halfwidth", "confirm_max_windows")}
     if "halfwidth" in b:
         halfwidth = _float(b["halfwidth"], "budget.halfwidth")
         if not 0 < halfwidth < 1:
@@ -361,7 +365,9 @@ def _budget(b: Any, seed: Any) -> tuple[BudgetSpec, int]:
     timeout_s = _float(b.get("timeout_s", 600), "budget.timeout_s")
     if not 0 < timeout_s <= 7 * 86400:
         raise _Error("budget.timeout_s: must be > 0 and at most a week")
-    return BudgetSpec(per_trial, timeout_s), seed
+    confirm_max = _int(b.get("confirm_max_windows", BudgetSpec.confirm_max_windows), "budget.confirm_max_windows", 2,
+                       MAX_CONFIRM_WINDOWS)
+    return BudgetSpec(per_trial, timeout_s, confirm_max), seed
 
 
 def _seeds(raw: Any) -> tuple[SeedPlan, ...]:
