@@ -54,7 +54,7 @@ log = logging.getLogger("erase_tune")
 
 
 def _budget(ns: argparse.Namespace) -> Any:
-    from erase_tune.measure.trial import Budget
+    from erase_tune.measure.records import Budget
 
     return Budget(warmup_steps=ns.warmup, windows=ns.windows, window_steps=ns.window_steps,
                   quality_steps=getattr(ns, "quality_steps", 0), seed=ns.seed)
@@ -70,7 +70,7 @@ def _check_output_dir(path: str, storage: str | None, *, names: Any) -> None:
     from pathlib import Path
 
     from erase_tune._files import check_output
-    from erase_tune.tune.views.export import storage_files
+    from erase_tune.store.engine import storage_files
 
     protect = storage_files(storage)
     check_output(path, flag="-o", protect=protect, directory=True)
@@ -107,7 +107,7 @@ def cmd_trial(ns: argparse.Namespace) -> int:
 
 def _noise_repeats(ns: argparse.Namespace) -> int:
     """``--noise-floor N``, refused before anything is trained, not after the trial."""
-    from erase_tune.measure.trial import MAX_REPEATS
+    from erase_tune.measure.records import MAX_REPEATS
 
     if not 0 <= ns.noise_floor <= MAX_REPEATS:
         raise EraseTuneError(f"--noise-floor: {ns.noise_floor} must be in 0..{MAX_REPEATS} (0: not measured)")
@@ -165,7 +165,7 @@ def cmd_start(ns: argparse.Namespace) -> int:
     from erase_tune.tune.views.tables import progress_line, start_summary
 
     if ns.repeats == 0 and not ns.no_confirm:  # JobSpec takes 0 for "no confirmation": say how to ask for that
-        from erase_tune.measure.confirm import MAX_CONFIRM_WINDOWS
+        from erase_tune.measure.records import MAX_CONFIRM_WINDOWS
 
         raise EraseTuneError(f"--repeats: 0 must be an integer in 2..{MAX_CONFIRM_WINDOWS} (an interval needs two "
                              "windows); --no-confirm skips the confirmation")

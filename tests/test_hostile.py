@@ -58,7 +58,7 @@ from erase_tune.cli import main
 from erase_tune.errors import EraseTuneError, PlanError
 from erase_tune.runtime import EraseEngine, ErasePlan
 from erase_tune.store import ConfirmationRecord, QualityRecord
-from erase_tune.runtime.probe import probe
+from erase_tune.runtime.probing import probe
 from erase_tune.tune.search.checks import check_space
 from erase_tune.tune.search.space import SearchSpace, SpaceError
 from erase_tune.tune.search.study import make_sampler

@@ -12,17 +12,18 @@ What uses the protocol lives here too, imported by module name (they load the ru
 :mod:`~erase_tune.measure.noise` (the NE gap's noise floor, quality over seeds),
 :mod:`~erase_tune.measure.estimate` (a job's phases from a measured step) and
 :mod:`~erase_tune.measure.bench` (``erase-tune bench``).
+
+The statistics (:mod:`~erase_tune.measure.stats`), provenance and the records a trial takes and returns
+(:mod:`~erase_tune.measure.records`) need no torch; what times steps on a device is imported on
+first use, so the service's read-only commands never load torch.
 """
 
-from erase_tune.measure.overlap import (
-    KernelInterval,
-    OverlapReport,
-    kernel_intervals_from_trace,
-    merge_intervals,
-    overlap_report,
-    profile_steps,
-)
-from erase_tune.measure.protocol import GainEstimate, ProtocolHooks, ProtocolResult, Steps, StopRule, measure_gains
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from erase_tune._lazy import lazy_names
+
 from erase_tune.measure.provenance import provenance
 from erase_tune.measure.stats import (
     QpsSummary,
@@ -34,12 +35,43 @@ from erase_tune.measure.stats import (
     ratio_spread,
     t_interval,
 )
-from erase_tune.measure.timing import (
-    InterleavedTimings,
-    StepRunner,
-    Timings,
-    time_interleaved,
-)
+
+if TYPE_CHECKING:
+    from erase_tune.measure.overlap import (
+        KernelInterval,
+        OverlapReport,
+        kernel_intervals_from_trace,
+        merge_intervals,
+        overlap_report,
+        profile_steps,
+    )
+    from erase_tune.measure.protocol import GainEstimate, ProtocolHooks, ProtocolResult, Steps, StopRule, measure_gains
+    from erase_tune.measure.timing import (
+        InterleavedTimings,
+        StepRunner,
+        Timings,
+        time_interleaved,
+    )
+
+_LAZY = {
+    "KernelInterval": "overlap",
+    "OverlapReport": "overlap",
+    "kernel_intervals_from_trace": "overlap",
+    "merge_intervals": "overlap",
+    "overlap_report": "overlap",
+    "profile_steps": "overlap",
+    "GainEstimate": "protocol",
+    "ProtocolHooks": "protocol",
+    "ProtocolResult": "protocol",
+    "Steps": "protocol",
+    "StopRule": "protocol",
+    "measure_gains": "protocol",
+    "InterleavedTimings": "timing",
+    "StepRunner": "timing",
+    "Timings": "timing",
+    "time_interleaved": "timing",
+}
+"""What needs torch, by the module it lives in: imported on first use."""
 
 __all__ = [
     "GainEstimate",
@@ -68,3 +100,5 @@ __all__ = [
     "t_interval",
     "time_interleaved",
 ]
+
+__getattr__ = lazy_names(__name__, _LAZY)

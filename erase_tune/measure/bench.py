@@ -51,7 +51,7 @@ from erase_tune.measure import (
 from erase_tune.measure.hostcpu import host_cpu_interleaved, host_tax
 from erase_tune.measure.protocol import ProtocolResult
 from erase_tune.runtime import Cut, ErasePlan, Placement
-from erase_tune.runtime.probe import ProbeResult, probe
+from erase_tune.runtime.probing import ProbeResult, probe
 from erase_tune.runtime.device import resolve_device
 from erase_tune.measure.trial import (
     Budget,

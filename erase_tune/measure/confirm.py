@@ -116,9 +116,6 @@ def baseline_plan(gain_over: str) -> ErasePlan:
     return ErasePlan(whole_step_graph=gain_over == "graph")
 
 
-MAX_CONFIRM_WINDOWS = 1000
-"""The most windows a confirmation may be asked to take at least (``--repeats``): a thousand
-windows of 30 steps are already hours of a host-bound step per plan; more is a typo."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -12,11 +12,12 @@ import json
 import os
 import platform
 import socket
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 import erase_tune
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["provenance"]
 
@@ -27,6 +28,8 @@ def provenance(device: torch.device, **extra: Any) -> dict[str, Any]:
     ``extra`` may not override a recorded key (a caller could otherwise relabel the device)
     and must itself be JSON-serialisable; both mistakes raise with the key named.
     """
+    import torch  # here, not above: the package imports this module, and reading records needs no torch
+
     device = torch.device(device)
     record: dict[str, Any] = {
         "device": str(device),
@@ -58,6 +61,8 @@ def provenance(device: torch.device, **extra: Any) -> dict[str, Any]:
 
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
+        import torch
+
         return torch.cuda.get_device_name(device)
     return _cpu_name()
 

@@ -6,7 +6,7 @@ What :class:`~erase_tune.runtime.engine.EraseEngine` does at construction, in th
   before anything runs (a ``DistributedDataParallel`` wrapper; DDP nested inside the model
   under a plan with targets; TorchRec-sharded tables under a process group), then the plan's
   names are checked against the model.
-- :func:`fit_plan`: one probe forward on the example batch (:mod:`erase_tune.runtime.probe`)
+- :func:`fit_plan`: one probe forward on the example batch (:mod:`erase_tune.runtime.probing`)
   checks that the plan fits the model and sizes the cuts' aux heads
   (:mod:`erase_tune.runtime.heads`); it also returns the check the first step makes.
 - :class:`Patches`: each element's first module gets its runner
@@ -27,7 +27,7 @@ from erase_tune.runtime import device as dev
 from erase_tune.runtime.heads import HeadFactory, build_heads
 from erase_tune.runtime.pieces import CutRunner, GraphedRunner, Host, Passthrough, PlacedRunner
 from erase_tune.runtime.plan import ErasePlan, Placement
-from erase_tune.runtime.probe import FirstStepCheck, probe
+from erase_tune.runtime.probing import FirstStepCheck, probe
 from erase_tune.runtime.reduce import refuse_nested_ddp, refuse_sharded
 
 __all__ = ["refuse_unfit", "fit_plan", "Patches", "as_tuple"]

@@ -19,7 +19,7 @@ Exactness: gradients inside each cut and inside the remainder equal those of the
 objective ``L_main + Σ λ_i ℓ_i`` with stop-gradients at the cut boundaries; placements change
 no gradient.
 
-Before training, one probe forward (:mod:`erase_tune.runtime.probe`) checks that the plan
+Before training, one probe forward (:mod:`erase_tune.runtime.probing`) checks that the plan
 fits the model — every target is called, runs are chains, cuts return one tensor and leave
 the main loss a gradient path and every parameter a gradient — and sizes the aux heads. A
 plan with no cuts and no placements skips it: it trains exactly like a plain loop.
@@ -68,7 +68,7 @@ from erase_tune.runtime.join import LazyJoin
 from erase_tune.runtime.losscheck import check_main_loss, main_loss
 from erase_tune.runtime.pieces import CutRunner, Launcher, StepState
 from erase_tune.runtime.plan import ErasePlan
-from erase_tune.runtime.probe import FirstStepCheck
+from erase_tune.runtime.probing import FirstStepCheck
 from erase_tune.runtime.reduce import GradReducer, data_parallel, early_reducer
 
 _NOTHING = contextlib.nullcontext()  # (reusable: no context to enter without a join)
@@ -86,7 +86,7 @@ class EraseEngine:
     Args:
         model: any ``nn.Module``, already on its device; its code is not edited.
         plan: where to cut and place, and how to run; checked against ``model`` (names, then
-            one probe forward: see :mod:`erase_tune.runtime.probe`). A plan that does not fit
+            one probe forward: see :mod:`erase_tune.runtime.probing`). A plan that does not fit
             raises a one-line :class:`PlanError`.
         loss_fn: mean-reduced ``loss_fn(output, target)``, for the main and every local loss.
         optimizer: factory over ``engine.parameters()`` (model and aux heads); Adam by default.

@@ -29,7 +29,7 @@ from erase_tune.errors import PlanError, first_line, shown
 from erase_tune.runtime.pieces import tensors_in
 from erase_tune.runtime.plan import Cut
 from erase_tune.runtime.losscheck import task_tensors
-from erase_tune.runtime.probe import output_activation
+from erase_tune.runtime.probing import output_activation
 
 __all__ = ["LinearHead", "TaskHeads", "HeadFactory", "build_heads"]
 

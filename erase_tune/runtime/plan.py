@@ -28,13 +28,15 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
-from torch import nn
 
 from erase_tune._files import aux_weight_problem, load_yaml, name_problem, read_text
 from erase_tune.errors import PlanError, one_line, shown
+
+if TYPE_CHECKING:  # torch is imported where a model is checked: reading a plan needs none
+    from torch import nn
 
 __all__ = [
     "PLAN_VERSION",
@@ -535,6 +537,8 @@ _WRAPPER_ATTRS = {"_dmp_wrapped_module", "module", "_orig_mod", "_fsdp_wrapped_m
 
 
 def check_in_model(label: str, module: str, modules: Mapping[str, nn.Module], model_name: str) -> None:
+    from torch import nn
+
     parent, run = _parse(module)
     if run is not None:
         name = ".".join(parent)

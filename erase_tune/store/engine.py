@@ -9,7 +9,9 @@ and driver messages are scrubbed of every secret the URL carried.
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
@@ -22,7 +24,7 @@ from erase_tune import errors
 from erase_tune._env import env_text
 from erase_tune.errors import EraseTuneError
 
-__all__ = ["SUPPORTED_BACKENDS", "STORAGE_ENV", "default_storage_url", "redact_url", "shown_url", "parse_url",
+__all__ = ["SUPPORTED_BACKENDS", "STORAGE_ENV", "default_storage_url", "redact_url", "shown_url", "parse_url", "storage_files",
            "engine_kwargs", "connect_args", "build_engine", "masked_line"]
 
 SUPPORTED_BACKENDS = ("sqlite", "postgresql")
@@ -136,6 +138,20 @@ def parse_url(url: str) -> URL:
             "use a synchronous one such as postgresql+psycopg"
         )
     return parsed
+
+
+def storage_files(url: str | None) -> list[Path]:
+    """The files of a SQLite storage (database, journal, WAL, shared memory) that no ``-o``
+    may replace; none for a server database. A URL that does not parse protects nothing here:
+    opening the storage reports it."""
+    try:
+        parsed = parse_url(url if url is not None else default_storage_url())
+    except EraseTuneError:
+        return []
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+        return []
+    db = Path(os.path.realpath(parsed.database))  # SQLite puts its journal files next to the real file
+    return [db, *(db.with_name(db.name + suffix) for suffix in ("-journal", "-wal", "-shm"))]
 
 
 def _is_sqlite_memory(url: URL) -> bool:

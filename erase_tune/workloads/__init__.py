@@ -4,7 +4,9 @@
 {...})`` imports ``pkg.mod`` and calls ``make(**args)``. Arguments are checked against the
 factory's signature before it runs (unknown names, wrong types), so a typo in a search
 space or on the command line fails at once with one line naming it, not after a trial has
-been scheduled on a GPU. Built-in modules are imported on first use only.
+been scheduled on a GPU. Built-in modules are imported on first use only, and so is torch
+(:mod:`~erase_tune.workloads.base`, the workload records): reading a workload's limits or its
+name in a stored study needs neither.
 """
 
 from __future__ import annotations
@@ -16,12 +18,15 @@ import os
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from erase_tune._lazy import lazy_names
 from erase_tune.errors import EraseTuneError, WorkloadError, one_line, shown
-from erase_tune.workloads.base import Batch, Task, Workload, WorkloadData
+
+if TYPE_CHECKING:
+    import torch
+
+    from erase_tune.workloads.base import Batch, Task, Workload, WorkloadData
 
 __all__ = ["BUILTINS", "Batch", "Task", "Workload", "WorkloadData", "get_workload", "module_of", "workload_args"]
 
@@ -60,6 +65,8 @@ def get_workload(name: str, args: Mapping[str, Any] | None = None) -> Workload:
         code = one_line(exc, 300, squeeze=True)
         raise WorkloadError(f"workload {shown(name)}: the factory exited the program (SystemExit {code}): "
                             "it is not a workload factory") from None
+    from erase_tune.workloads.base import Workload
+
     if not isinstance(result, Workload):
         raise WorkloadError(
             f"workload {shown(name)}: factory returned {type(result).__name__}, expected erase_tune.workloads.Workload"
@@ -254,3 +261,6 @@ def workload_args(pairs: Iterable[str]) -> dict[str, Any]:
             raise EraseTuneError(f"--arg: {shown(pair)} is not KEY=VALUE")
         args[key] = load_arg(value, f"--arg {key}", WorkloadError) if value else ""
     return args
+
+
+__getattr__ = lazy_names(__name__, dict.fromkeys(("Batch", "Task", "Workload", "WorkloadData"), "base"))

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from erase_tune import Cut, EraseEngine, EraseTuneError, ErasePlan, PlanError
-from erase_tune.runtime.probe import probe
+from erase_tune.runtime.probing import probe
 from tests.torchrec.models import DLRMTrain, dlrm, sgd, train_batch
 
 

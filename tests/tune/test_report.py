@@ -318,3 +318,26 @@ def test_the_noise_floor_widens_feasibility_and_is_shown(finished, tmp_path):
     assert "beyond 3.50%" in facts["noise floor of the NE gap"]
     assert "not measured" in dict(_check_files(plain).table("fact", "value"))["noise floor of the NE gap"]
     assert files.pareto_front.read_bytes() != plain.pareto_front.read_bytes()
+
+
+@pytest.mark.parametrize("command", [["status"], ["status", "--trial", "0"], ["report", "-o", "{out}"],
+                                     ["db", "upgrade"]])
+def test_reading_a_study_loads_no_torch(tmp_path, command):
+    """``status``, ``report`` and ``db`` read stored records: they start in about a second, not
+    the three that importing torch takes (the runtime, the measurement and the workloads
+    packages import what needs torch on first use)."""
+    import json
+    import subprocess
+    import sys
+
+    url = write_finished_study(tmp_path / "study.db")
+    argv = [a.replace("{out}", str(tmp_path / "out")) for a in command] + ["--storage", url]
+    if command[0] != "db":
+        argv += ["--study", STUDY_NAME]
+    code = ("import json, sys; from erase_tune.cli import main; code = main(%r); "
+            "print(json.dumps([code, 'torch' in sys.modules]))" % argv)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    exit_code, torch_loaded = json.loads(done.stdout.strip().splitlines()[-1])
+    assert exit_code == 0, done.stderr
+    assert not torch_loaded, f"erase-tune {' '.join(command)} imported torch"

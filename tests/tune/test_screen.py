@@ -14,7 +14,7 @@ from optuna.trial import TrialState
 from torch import nn
 
 from erase_tune.runtime import Cut, ErasePlan, Graphed, Placement
-from erase_tune.runtime.probe import probe
+from erase_tune.runtime.probing import probe
 from erase_tune.tune.search.codec import BoundSpace, DetachGuard
 from erase_tune.tune.search.screen import (
     FAILED,

@@ -15,7 +15,7 @@ import dataclasses
 from typing import Any, ClassVar, Literal
 
 from erase_tune.measure.confirm import ConfirmResult
-from erase_tune.measure.trial import TrialResult
+from erase_tune.measure.records import TrialResult
 
 __all__ = ["FailureKind", "Failure", "WorkerInfo", "TrialOutcome", "ConfirmOutcome"]
 

@@ -44,7 +44,7 @@ from typing import Any
 
 from erase_tune._files import name_problem
 from erase_tune.errors import EraseTuneError, shown
-from erase_tune.measure.confirm import MAX_CONFIRM_WINDOWS
+from erase_tune.measure.records import MAX_CONFIRM_WINDOWS
 from erase_tune.measure.estimate import StepCost, describe_phases, duration, trial_seconds
 from erase_tune.measure.noise import quality_trainings
 from erase_tune.store import default_storage_url

@@ -30,7 +30,7 @@ import torch
 from erase_tune.errors import EraseTuneError, PlanError, shown
 from erase_tune.runtime import Cut, ErasePlan
 from erase_tune.runtime.plan import targets_overlap
-from erase_tune.runtime.probe import ProbeResult, probe
+from erase_tune.runtime.probing import ProbeResult, probe
 from erase_tune.tune.search.codec import BoundSpace, DetachGuard, Guard
 from erase_tune.tune.search.space import SearchSpace
 from erase_tune.workloads import get_workload

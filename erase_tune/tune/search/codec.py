@@ -36,7 +36,7 @@ from erase_tune.runtime.plan import targets_overlap
 from erase_tune.tune.search.space import CutsSpec, SearchSpace, SpaceError
 
 if TYPE_CHECKING:
-    from erase_tune.runtime.probe import ProbeResult
+    from erase_tune.runtime.probing import ProbeResult
 
 __all__ = ["BoundSpace", "DetachGuard", "Guard"]
 

@@ -37,11 +37,10 @@ from pathlib import Path
 from typing import Any
 
 from erase_tune._files import aux_weight_problem, load_yaml, read_text
-from erase_tune.measure.confirm import GAIN_OVER, MAX_CONFIRM_WINDOWS
 from erase_tune.errors import EraseTuneError, PlanError, one_line, shown
 from erase_tune.runtime import DISPATCH_MODES, Cut, ErasePlan
 from erase_tune.runtime.plan import MAX_STREAMS, MAX_TARGETS
-from erase_tune.measure.trial import MAX_STEPS, Budget
+from erase_tune.measure.records import GAIN_OVER, MAX_CONFIRM_WINDOWS, MAX_STEPS, Budget
 from erase_tune.tune.search.study import METRIC_NAMES, SAMPLERS
 from erase_tune.workloads.limits import MAX_SEED
 

@@ -20,7 +20,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from erase_tune.errors import EraseTuneError, shown
-from erase_tune.measure.trial import TrialResult
+from erase_tune.measure.records import TrialResult
 from erase_tune.store.storage import CONSTRAINTS, Storage
 
 __all__ = ["METRIC_NAMES", "DIRECTIONS", "CONSTRAINTS", "Attr", "SAMPLERS", "make_sampler", "open_study", "load_study",

@@ -31,8 +31,9 @@ from erase_tune.errors import EraseTuneError, one_line, shown
 from erase_tune.runtime import ErasePlan
 from erase_tune.store import Confirmation, QualityConfirmation, default_storage_url
 from erase_tune.store.storage import Storage, StorageLost, open_storage
+from erase_tune.store.engine import storage_files
 from erase_tune.tune.search.space import MAX_NE_GAP, SearchSpace
-from erase_tune.measure.confirm import MAX_CONFIRM_WINDOWS
+from erase_tune.measure.records import MAX_CONFIRM_WINDOWS
 from erase_tune.tune.run.confirm import (
     MAX_CONFIRMED,
     MIN_CONFIRM_WINDOWS,
@@ -46,7 +47,7 @@ from erase_tune.tune.run.confirm import (
 )
 from erase_tune.tune.search.study import Attr, FrontPoint, finalists, load_study, noise_band, pareto_front
 
-__all__ = ["PICKS", "ConfirmSettings", "NoConfirmedGain", "Exported", "export_plan", "pick_point", "storage_files"]
+__all__ = ["PICKS", "ConfirmSettings", "NoConfirmedGain", "Exported", "export_plan", "pick_point"]
 
 
 
@@ -229,22 +230,6 @@ def _provenance(study: optuna.Study, db: Storage, point: FrontPoint, pick: str, 
                     "confirmed_windows": conf.windows, "confirmed_at": conf.created_at.isoformat(),
                     "torch": conf.provenance.get("torch"), "cuda": conf.provenance.get("cuda")})
     return out
-
-
-def storage_files(url: str | None) -> list[Path]:
-    """The files of a SQLite storage (database, journal, WAL, shared memory) that no ``-o``
-    may replace; none for a server database. A URL that does not parse protects nothing here:
-    opening the storage reports it."""
-    from erase_tune.store.engine import parse_url
-
-    try:
-        parsed = parse_url(url if url is not None else default_storage_url())
-    except EraseTuneError:
-        return []
-    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
-        return []
-    db = Path(os.path.realpath(parsed.database))  # SQLite puts its journal files next to the real file
-    return [db, *(db.with_name(db.name + suffix) for suffix in ("-journal", "-wal", "-shm"))]
 
 
 def _check_output(path: str | Path, storage: str | None = None) -> Path:

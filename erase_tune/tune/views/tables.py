@@ -7,7 +7,7 @@ lives in one place.
 from __future__ import annotations
 
 from erase_tune.measure.noise import NoiseFloor
-from erase_tune.measure.trial import TrialResult
+from erase_tune.measure.records import TrialResult
 from erase_tune.tune.run.job import JobSummary
 from erase_tune.tune.run.loop import Progress
 
