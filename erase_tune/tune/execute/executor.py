@@ -82,6 +82,12 @@ def resolve_address(address: str | None) -> str | None:
     return address or env_text("RAY_ADDRESS") or None
 
 
+RAY_START_TIMED_OUT = "timed out during startup"
+"""Ray's words when its raylet did not register within the 30 s it waits (a constant in
+``ray._private.node``, not a setting): on a machine busy enough that starting a GCS, a raylet
+and their agents takes longer. A private local Ray is then started once more."""
+
+
 def _start_ray(ray: Any, address: str | None, env: dict[str, Any]) -> None:
     """Join the Ray cluster at ``address``, or start a new local one (its child processes reaped
     when this process exits); one line saying why not."""
@@ -89,16 +95,37 @@ def _start_ray(ray: Any, address: str | None, env: dict[str, Any]) -> None:
         if address:
             ray.init(address=address, runtime_env=env or None, log_to_driver=False, logging_level="error")
         else:
-            # "local": always a new Ray, even if another cluster runs on this machine.
-            ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False,
-                     runtime_env=env or None, log_to_driver=False, logging_level="error",
-                     object_store_memory=256 * 1024**2)
-            from erase_tune.tune.execute.reaper import reap_children_on_exit
-
-            reap_children_on_exit()
+            _start_local_ray(ray, env)
     except Exception as e:  # noqa: BLE001 - Ray raises anything from a bad address (AssertionError too)
         where = f"at {address!r}" if address else "locally"
         raise EraseTuneError(f"cannot start or join Ray {where}: {first_line(e)}") from None
+
+
+def _start_local_ray(ray: Any, env: dict[str, Any]) -> None:
+    """A new Ray of this machine's CPUs ("local": even if another cluster runs here), started
+    again once if Ray's own start-up timed out; what a failed start left running is killed."""
+    import psutil
+
+    from erase_tune.tune.execute.reaper import reap_children_on_exit
+
+    for attempt in (1, 2):
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        try:
+            ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False,
+                     runtime_env=env or None, log_to_driver=False, logging_level="error",
+                     object_store_memory=256 * 1024**2)
+            break
+        except Exception as e:
+            ray.shutdown()
+            for p in psutil.Process().children(recursive=True):  # a half-started GCS, raylet, agents
+                if p.pid not in before:
+                    with contextlib.suppress(psutil.Error):
+                        p.kill()
+            if attempt == 2 or RAY_START_TIMED_OUT not in str(e):
+                raise
+            log.warning("Ray's start-up timed out (its raylet did not register within the 30 s Ray waits: this "
+                        "machine is busy); starting a local Ray once more")
+    reap_children_on_exit()
 
 
 class RayExecutor:
