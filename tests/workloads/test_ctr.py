@@ -98,6 +98,26 @@ def test_synthetic_data_base_rate_and_ids() -> None:
     assert counts.max() > 5 * counts.float().median()  # popularity is heavy-headed
 
 
+def _full_bisection(z: torch.Tensor, rate: float, iters: int = 60) -> torch.Tensor:
+    """All ``iters`` steps, as on a GPU (no early stop)."""
+    lo, hi = torch.full((), -40.0), torch.full((), 40.0)
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        too_high = torch.sigmoid(z + mid).mean() > rate
+        hi, lo = torch.where(too_high, mid, hi), torch.where(too_high, lo, mid)
+    return (lo + hi) / 2
+
+
+@pytest.mark.parametrize("rate", [1e-4, 0.03, 0.25, 0.5, 0.97])
+@pytest.mark.parametrize("scale", [0.0, 0.3, 3.0, 40.0])
+def test_the_bias_bisection_stops_early_on_the_cpu_with_the_same_bits(rate: float, scale: float) -> None:
+    from erase_tune.workloads.ctr import _bias_for_rate
+
+    z = scale * torch.randn(4096, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(_bias_for_rate(z, rate), _full_bisection(z, rate))
+    assert _bias_for_rate(z, rate, iters=5).item() == _full_bisection(z, rate, iters=5).item()  # bounded by iters
+
+
 def test_few_steps_reduce_loss() -> None:
     wl = get_workload("ctr", SMALL)
     data = wl.make_data(CPU)
