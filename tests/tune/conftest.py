@@ -45,8 +45,10 @@ def ray_cluster() -> Iterator[None]:
 def _start_shared_ray() -> None:
     import ray
 
+    from erase_tune.tune.execute.executor import LOCAL_RAY_CONFIG
+
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="error",
-             object_store_memory=256 * 1024**2)
+             object_store_memory=256 * 1024**2, _system_config=LOCAL_RAY_CONFIG)
 
 
 def _cpus_held(ray: object, wait_s: float) -> float:
