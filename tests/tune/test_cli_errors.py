@@ -36,7 +36,7 @@ def finished_job(ray_cluster, tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("done")
     url = f"sqlite:///{tmp / 'done.db'}"
     space = write_space(tmp / "done.yaml", trials=2)
-    assert run_cli("start", "--space", space, "--study", "done", "--storage", url, "--no-confirm") == 0
+    assert run_cli("start", "--space", space, "--study", "done", "--storage", url, "--slots", 1, "--no-confirm") == 0
     return {"url": url, "space": space, "tmp": tmp, "snapshot": _snapshot(url)}
 
 

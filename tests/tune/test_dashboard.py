@@ -25,7 +25,7 @@ def finished_study(ray_cluster, tmp_path_factory) -> str:
     tmp = tmp_path_factory.mktemp("dash")
     url = f"sqlite:///{tmp / 'dash.db'}"
     space = write_space(tmp / "dash.yaml", trials=2, budget={"noise_repeats": 1})  # with a noise floor
-    assert run_cli("start", "--space", space, "--study", "dash", "--storage", url) == 0
+    assert run_cli("start", "--space", space, "--study", "dash", "--storage", url, "--slots", 1) == 0
     return url
 
 

@@ -20,7 +20,7 @@ def test_a_two_task_study_reports_each_tasks_ne_gap(ray_cluster, tmp_path, capsy
     doc["workload"]["args"] = {"batch": 32, "steps": 32, "main_task": main_task}  # not the CTR arguments
     space.write_text(yaml.safe_dump(doc, sort_keys=False))
     url = f"sqlite:///{tmp_path / 'study.db'}"
-    assert run_cli("start", "--space", space, "--study", "mt", "--storage", url, "--no-confirm") == 0, \
+    assert run_cli("start", "--space", space, "--study", "mt", "--storage", url, "--slots", 1, "--no-confirm") == 0, \
         capsys.readouterr().err[-3000:]
     trials = optuna.load_study(study_name="mt", storage=url).get_trials(states=(TrialState.COMPLETE,))
     measured = [t for t in trials if "duplicate_of" not in t.user_attrs]

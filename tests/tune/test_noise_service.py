@@ -32,7 +32,8 @@ def test_noise_floor_feasibility_resume_status_and_quality(storage_url, ray_clus
         seeds=[{"name": "placed", "plan": {"num_streams": 1, "placements": [{"module": "subarchs.0", "stream": 1}]}},
                {"name": "cut", "plan": {"num_streams": 1, "cuts": [{"module": "subarchs.1", "stream": 1}]}}],
         cuts={"modes": ["keep", "place", "detach"]})
-    assert run_cli("start", "--space", space_path, "--study", "nf", "--storage", storage_url, "--repeats", 2) == 0
+    assert run_cli("start", "--space", space_path, "--study", "nf", "--storage", storage_url, "--repeats", 2,
+                   "--slots", 1) == 0
     capsys.readouterr()
 
     study = optuna.load_study(study_name="nf", storage=storage_url)
@@ -59,7 +60,7 @@ def test_noise_floor_feasibility_resume_status_and_quality(storage_url, ray_clus
 
     # Resumed with more trials: the floor is reused, not measured again.
     assert run_cli("start", "--space", space_path, "--study", "nf", "--storage", storage_url, "--trials", 4,
-                   "--no-confirm") == 0
+                   "--slots", 1, "--no-confirm") == 0
     capsys.readouterr()
     with Store(storage_url) as store:
         again = store.noise_floor(store.get_job("nf"))

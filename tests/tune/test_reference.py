@@ -42,6 +42,6 @@ def test_the_try_runs_on_a_worker(ray_cluster):
 def test_a_job_on_cpu_slots_tries_nothing(ray_cluster, tmp_path, capsys):
     url = f"sqlite:///{tmp_path / 'cpu.db'}"
     space = write_space(tmp_path / "cpu.yaml", trials=1)
-    assert run_cli("start", "--space", space, "--study", "cpu", "--storage", url, "--no-confirm") == 0
+    assert run_cli("start", "--space", space, "--study", "cpu", "--storage", url, "--slots", 1, "--no-confirm") == 0
     assert "cannot be captured" not in capsys.readouterr().err
     assert Attr.REFERENCE_ERROR not in optuna.load_study(study_name="cpu", storage=url).user_attrs

@@ -25,10 +25,10 @@ def test_more_trials_resume_the_same_job(storage_url, ray_cluster, tmp_path, cap
     space = write_space(tmp_path / "grow.yaml", workload="tests.tune.faulty:workload",
                         args={"mode": "ok", "tickets": str(tickets)})
     assert run_cli("start", "--space", space, "--study", "grow", "--trials", 3, "--storage", storage_url,
-                   "--no-confirm") == 0
+                   "--slots", 1, "--no-confirm") == 0
     assert [t.state for t in _trials(storage_url, "grow")] == [TrialState.COMPLETE] * 3
     assert run_cli("start", "--space", space, "--study", "grow", "--trials", 5, "--storage", storage_url,
-                   "--no-confirm") == 0
+                   "--slots", 1, "--no-confirm") == 0
     assert "study grow: 5 complete, 0 failed" in capsys.readouterr().out
 
     trials = _trials(storage_url, "grow")
@@ -47,7 +47,7 @@ def test_more_trials_resume_the_same_job(storage_url, ray_cluster, tmp_path, cap
 
     # Asking for what the study already holds runs nothing and leaves the job finished.
     assert run_cli("start", "--space", space, "--study", "grow", "--trials", 5, "--storage", storage_url,
-                   "--no-confirm") == 0
+                   "--slots", 1, "--no-confirm") == 0
     assert len(_trials(storage_url, "grow")) == 5 and len(list(tickets.iterdir())) == 5
 
 
@@ -86,7 +86,7 @@ def test_a_repeat_of_a_measured_plan_is_not_run_again(ray_cluster, tmp_path, cap
 def test_resuming_with_another_workload_is_refused(ray_cluster, tmp_path, capsys):
     url = f"sqlite:///{tmp_path / 'wl.db'}"
     first = write_space(tmp_path / "first.yaml", trials=1)
-    assert run_cli("start", "--space", first, "--study", "wl", "--storage", url, "--no-confirm") == 0
+    assert run_cli("start", "--space", first, "--study", "wl", "--storage", url, "--slots", 1, "--no-confirm") == 0
     other = write_space(tmp_path / "other.yaml", args={"width": 24}, trials=2)
     capsys.readouterr()
     assert run_cli("start", "--space", other, "--study", "wl", "--storage", url) == 2

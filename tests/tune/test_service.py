@@ -102,7 +102,8 @@ def test_the_no_cuts_plan_is_never_exported_as_a_gain(ray_cluster, tmp_path, cap
 
     url = f"sqlite:///{tmp_path / 'base.db'}"
     space = write_space(tmp_path / "base.yaml", cuts={"modes": ["keep"]}, trials=1)
-    assert run_cli("start", "--space", space, "--study", "base", "--storage", url, "--repeats", 2) == 0
+    assert run_cli("start", "--space", space, "--study", "base", "--storage", url, "--repeats", 2,
+                   "--slots", 1) == 0
     capsys.readouterr()
     out = tmp_path / "best.yaml"
     assert run_cli("export", "--study", "base", "--storage", url, "--repeats", 2, "-o", out) == 1

@@ -13,7 +13,7 @@ from tests.tune.faulty import write_space
 def test_every_measured_trial_is_re_measured_and_ranked_against_its_search(ray_cluster, tmp_path, capsys):
     space = write_space(tmp_path / "s.yaml", trials=3)
     url = f"sqlite:///{tmp_path / 'study.db'}"
-    assert run_cli("start", "--space", space, "--study", "rc", "--storage", url, "--no-confirm") == 0
+    assert run_cli("start", "--space", space, "--study", "rc", "--storage", url, "--slots", 1, "--no-confirm") == 0
     capsys.readouterr()
     assert main(["study_recheck", "--out", str(tmp_path / "out"), "--storage", url, "--study", "rc",
                  "--windows", "2", "--max-windows", "3", "--halfwidth", "0.5"]) == 0

@@ -111,15 +111,15 @@ def test_a_phase_is_stopped_after_a_few_times_its_estimate():
 
 def test_the_time_budget_ends_the_job_on_time_and_keeps_what_was_measured(ray_cluster, tmp_path, capsys):
     url = f"sqlite:///{tmp_path / 'budget.db'}"
-    # Far more trials than fit, whatever the machine's speed: four windows of 25 steps (no more:
-    # the estimate of a trial stays far under the budget, so trials start) keep a trial near a
-    # second even on a fast machine, and the space holds over a thousand plans. No confirmation:
-    # its reserve is estimated from the measured step, which a loaded machine inflates past the
-    # whole budget (then no trial starts, rightly, and this test would measure the load). 45 s:
-    # four workers on two cores made a step 4.5x slower, and the first trial's estimate with it
-    # (about 9 s then); trials compute for the whole budget, so a longer one costs the suite its
-    # CPU time.
-    space = _space(tmp_path, EXACT_ONLY, window_steps=25, max_windows=4)
+    # Far more trials than fit, whatever the machine's speed: the space holds over a thousand
+    # plans, and a trial costs the driver more than the 90 ms that 500 of them would have each.
+    # The trials are short (four windows of 5 steps): a trial may start only while the budget
+    # left after set-up exceeds its estimate, and at the start of a loaded suite the measured step
+    # was 58 ms (a trial of 25-step windows was estimated at 19 s, set-up took over 26 s, and no
+    # trial started, rightly). No confirmation: its reserve is estimated from the measured step,
+    # which a loaded machine inflates past the whole budget. 45 s: trials compute for the whole
+    # budget, so a longer one costs the suite its CPU time.
+    space = _space(tmp_path, EXACT_ONLY, window_steps=5, max_windows=4)
     started = time.monotonic()
     assert run_cli("start", "--space", space, "--study", "budget", "--trials", "500", "--slots", "1",
                    "--storage", url, "--time-budget", "45s", "--no-confirm") == 0
