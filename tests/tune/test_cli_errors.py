@@ -299,7 +299,11 @@ def test_a_gpu_space_on_a_cluster_without_gpus_is_refused_before_anything_runs(r
     space["device"] = "auto"  # the shipped file says cuda (and a local Ray without a GPU refuses that at once)
     path = tmp_path / "gpu.yaml"
     path.write_text(yaml.safe_dump(space))
+    import ray
+
+    groups = len(ray.util.placement_group_table())  # removed ones stay listed
     assert run_cli("start", "--space", path, "--study", "g", "--trials", 1, "--storage", url) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "gain_over: graph needs GPU trial slots" in err[0]
     assert not (tmp_path / "g.db").exists()  # refused before the storage was touched
+    assert len(ray.util.placement_group_table()) == groups  # and before any trial worker started

@@ -183,27 +183,38 @@ class RayExecutor:
         self._running: dict[Any, TrialHandle] = {}
         self._finished: list[tuple[TrialHandle, TrialOutcome]] = []
         """Trials that ended while a phase waited for a slot, until :meth:`wait` returns them."""
-        self._groups = [self._new_group() for _ in range(self.slots)]
+        self._groups: list[WorkerGroup] = []
+        """The slots, started when a slot is first asked for (:meth:`idle`): a job refused after
+        joining Ray (a GPU-only setting on a cluster without GPUs) started no worker."""
         self._since_ready = time.monotonic()
         self._wait_said: float | None = None
         self._lack_asked = 0.0
-        self.worker_start_s: list[float] = []
-        """Seconds each worker group took from creation to ready (once per slot, and after failures)."""
+        self._starts: list[tuple[float, float]] = []
+        """(created, ready) of each worker group (once per slot, and after failures)."""
 
     # -- slots -------------------------------------------------------------------------------
+
+    @property
+    def worker_start_s(self) -> float:
+        """Wall seconds during which some slot's workers were starting: slots that start side by
+        side count once (16 CPU slots that each took 11 s to start cost the job 11 s, not 176)."""
+        return covered_s(self._starts)
 
     def _new_group(self) -> WorkerGroup:
         return WorkerGroup(ranks=self.gpus_per_trial, use_gpu=self.use_gpu, workload=self._workload)
 
     def idle(self) -> int:
         """Ready slots with no trial; raises if no slot could start within ``gpu_wait_s``."""
+        if not self._groups:  # the first ask: the slots start now, and the wait for them with them
+            self._groups = [self._new_group() for _ in range(self.slots)]
+            self._since_ready = time.monotonic()
         busy = {h.group for h in self._running.values()}
         ready = 0
         for g in list(self._groups):
             was = g.state
             state = g.poll()
             if state == "ready" and was != "ready":
-                self.worker_start_s.append(time.monotonic() - g.created)
+                self._starts.append((g.created, time.monotonic()))
             if state == "broken":
                 raise EraseTuneError(f"trial workers cannot start on this cluster: {g.failure.reason}")
             if state == "lost":
@@ -463,6 +474,15 @@ class RayExecutor:
 
         threading.Thread(target=free, name="ray-release-group", daemon=True).start()
         self._groups[self._groups.index(group)] = self._new_group()
+
+
+def covered_s(spans: Sequence[tuple[float, float]]) -> float:
+    """Seconds covered by the union of ``(start, end)`` spans: overlaps count once."""
+    total, end = 0.0, float("-inf")
+    for began, ended in sorted(spans):
+        total += max(0.0, ended - max(began, end))
+        end = max(end, ended)
+    return total
 
 
 def _check_reachable(address: str) -> None:

@@ -417,7 +417,7 @@ class Loop:
         workers' start-up (once per slot per job, before trial 0) amortised over the trials."""
         out = {k: (sum(v) / len(v) if v else 0.0) for k, v in self.cost.items()}
         n = len(self.cost["trial"])
-        out["worker_start"] = sum(self.executor.worker_start_s) / n if n else 0.0
+        out["worker_start"] = self.executor.worker_start_s / n if n else 0.0
         out["trials"] = float(n)
         per_trial = out["ask"] + out["record"] + out["dispatch"]
         out["per_trial"] = per_trial / out["trial"] if out["trial"] else 0.0
