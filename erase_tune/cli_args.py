@@ -118,7 +118,7 @@ def check_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--space", required=True, help="search space file (search_spaces/*.yaml)")
     p.add_argument("--trials", type=int, help="trials the estimate is for (default: the space's)")
     p.add_argument("--slots", type=int, help="trials in flight the estimate assumes (default: as start on this "
-                                             "machine: one per GPU, else one per CPU)")
+                                             "machine: one per GPU, else one per CPU; never more than the trials)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
@@ -128,7 +128,8 @@ def start_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trials", type=int, help="measured trials the study should hold when done (default: the space's)")
     _storage(p)
     _ray(p)
-    p.add_argument("--slots", type=int, help="trials in flight (default: one per GPU, else one per CPU)")
+    p.add_argument("--slots", type=int, help="trials in flight (default: one per GPU, else one per CPU; never more "
+                                             "than the trials)")
     p.add_argument("--gpu-wait", type=float, default=600.0, metavar="SECONDS",
                    help="how long to wait for GPUs to join the cluster before giving up (default 600)")
     p.add_argument("--grace-period", type=int, default=60, metavar="SECONDS",

@@ -176,9 +176,7 @@ class RayExecutor:
         self.gpus_per_trial = gpus_per_trial
         self.gpu_wait_s = gpu_wait_s
         self.slots = slots or max(1, (gpus if self.use_gpu else cpus) // gpus_per_trial)
-        self.describe = (f"Ray {ray.__version__} ({'joined ' + address if address else 'local'}): {cpus} CPUs, "
-                         f"{gpus} GPUs; {self.slots} trial slot(s) of {gpus_per_trial} "
-                         f"{'GPU' if self.use_gpu else 'CPU'}(s)")
+        self._cluster = f"Ray {ray.__version__} ({'joined ' + address if address else 'local'}): {cpus} CPUs, {gpus} GPUs"
         self._workload = workload
         self._running: dict[Any, TrialHandle] = {}
         self._finished: list[tuple[TrialHandle, TrialOutcome]] = []
@@ -193,6 +191,18 @@ class RayExecutor:
         """(created, ready) of each worker group (once per slot, and after failures)."""
 
     # -- slots -------------------------------------------------------------------------------
+
+    @property
+    def describe(self) -> str:
+        """The cluster and the slots, in one line."""
+        return (f"{self._cluster}; {self.slots} trial slot(s) of {self.gpus_per_trial} "
+                f"{'GPU' if self.use_gpu else 'CPU'}(s)")
+
+    def cap_slots(self, trials: int) -> None:
+        """No more slots than ``trials``, the most a job will run (a 4-trial job on a machine of 16
+        CPUs started 16 trial workers); only before the slots have started."""
+        if not self._groups:
+            self.slots = max(1, min(self.slots, trials))
 
     @property
     def worker_start_s(self) -> float:

@@ -183,10 +183,11 @@ def check_space_file(path: str | Path, *, trials: int | None = None, slots: int 
     if space.gain_over == "graph" and device.type != "cuda":
         note = (f"{note}; " if note else "") + ("gain_over: graph needs GPU trial slots: start refuses it on a "
                                                 "cluster without GPUs")
-    if slots is None:
-        slots = _default_slots(device, space.gpus_per_trial)
-    elif not 1 <= slots <= 4096:
+    if slots is not None and not 1 <= slots <= 4096:
         raise EraseTuneError(f"--slots: {slots} must be in 1..4096")
+    target = trials if trials is not None else space.trials
+    # As start: no more slots than trials.
+    slots = min(slots if slots is not None else _default_slots(device, space.gpus_per_trial), target)
     screen = Screen(bound)
     try:
         batch, init = workload.example(device), workload.build_model()
@@ -200,7 +201,6 @@ def check_space_file(path: str | Path, *, trials: int | None = None, slots: int 
         cost = measure_step(workload, device, steps=TIMED_STEPS)
     except (EraseTuneError, RuntimeError, ValueError, TypeError) as e:
         raise EraseTuneError(f"{space.source}: the baseline's step fails on {device}: {first_line(e)}") from None
-    target = trials if trials is not None else space.trials
     screen_on = space.sampler.screen
     ph = phases(space, cost, left=target, singles=len(screen.singles) if screen_on else None,
                 cuda=device.type == "cuda", slots=slots, noise_due=True, confirm_windows=5)

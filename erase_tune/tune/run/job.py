@@ -235,6 +235,7 @@ def start_job(
     executor = RayExecutor(where.ray_address, workload=space.workload.name, slots=where.slots, device=space.device,
                            gpus_per_trial=space.gpus_per_trial, runtime_env=env, gpu_wait_s=patience.gpu_wait_s,
                            on_ray_started=driver.ray_started)
+    executor.cap_slots(target)
     try:
         if space.gain_over == "graph" and executor.device != "cuda":
             raise EraseTuneError(f"{space.source}: gain_over: graph needs GPU trial slots, and this Ray cluster has "
