@@ -58,3 +58,25 @@ def test_db_upgrade_and_current(tmp_path, capsys):
     with Store(url) as store:
         assert store.schema_version().revision == head_revision()
     assert main(["db", "current", "--storage", url]) == 0
+
+
+def test_a_trial_loads_no_optuna_sql_or_ray(tmp_path):
+    """``trial`` measures one plan with the library alone: its table is printed without the
+    service's stack (Optuna, SQLAlchemy, Alembic, Ray), which took 1.2 s to import."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    plan = tmp_path / "plan.yaml"
+    ErasePlan(cuts=(Cut(module="subarchs.0"),)).save(plan)
+    argv = ["trial", "--workload", "ctr", "--arg", "batch=16", "--arg", "num_tables=2", "--arg", "rows=10",
+            "--arg", "train_batches=1", "--plan", str(plan), "--device", "cpu", "--warmup", "5", "--windows", "1",
+            "--window-steps", "1", "--quality-steps", "2"]
+    code = ("import json, sys; from erase_tune.cli import main; code = main(%r); "
+            "print(json.dumps([code, sorted(m for m in ('optuna', 'sqlalchemy', 'alembic', 'ray') if m in sys.modules)]))"
+            % argv)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-3000:]
+    exit_code, loaded = json.loads(done.stdout.strip().splitlines()[-1])
+    assert exit_code == 0 and loaded == [], (exit_code, loaded, done.stderr[-2000:])

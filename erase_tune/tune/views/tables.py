@@ -6,10 +6,13 @@ lives in one place.
 
 from __future__ import annotations
 
-from erase_tune.measure.noise import NoiseFloor
-from erase_tune.measure.records import TrialResult
-from erase_tune.tune.run.job import JobSummary
-from erase_tune.tune.run.loop import Progress
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: `trial` and `bench` print tables without loading the job's stack
+    from erase_tune.measure.noise import NoiseFloor
+    from erase_tune.measure.records import TrialResult
+    from erase_tune.tune.run.job import JobSummary
+    from erase_tune.tune.run.loop import Progress
 
 __all__ = ["trial_table", "noise_line", "progress_line", "start_summary", "duration"]
 
