@@ -21,11 +21,12 @@ import dataclasses
 import time
 from collections.abc import Sequence
 
-import torch
+from typing import TYPE_CHECKING
 
-from erase_tune.runtime import EraseEngine, ErasePlan
-from erase_tune.runtime.device import resolve_device
-from erase_tune.workloads import Workload
+if TYPE_CHECKING:  # the phases' arithmetic needs no torch: the executor and export import it
+    import torch
+
+    from erase_tune.workloads import Workload
 
 __all__ = ["StepCost", "Phase", "TrialShape", "JobShape", "measure_step", "trial_seconds", "job_phases",
            "describe_phases", "duration", "phase_limit", "PHASE_LIMIT_FACTOR", "PHASE_LIMIT_FLOOR_S"]
@@ -68,6 +69,11 @@ def measure_step(workload: Workload, device: str | torch.device | None = None, *
     ``warmup`` on one example batch (:meth:`Workload.example`: no data pool is built), synchronising
     the device after each (an estimate, not a measurement users act on: the per-step sync hides
     pipelining, which makes it err long)."""
+    import torch
+
+    from erase_tune.runtime import EraseEngine, ErasePlan
+    from erase_tune.runtime.device import resolve_device
+
     device = resolve_device(device)
     batch = workload.example(device)
     init = workload.build_model()

@@ -321,16 +321,27 @@ def test_the_noise_floor_widens_feasibility_and_is_shown(finished, tmp_path):
 
 
 @pytest.mark.parametrize("command", [["status"], ["status", "--trial", "0"], ["report", "-o", "{out}"],
-                                     ["db", "upgrade"]])
+                                     ["db", "upgrade"], ["export", "-o", "{out}.yaml"]])
 def test_reading_a_study_loads_no_torch(tmp_path, command):
-    """``status``, ``report`` and ``db`` read stored records: they start in about a second, not
-    the three that importing torch takes (the runtime, the measurement and the workloads
-    packages import what needs torch on first use)."""
+    """``status``, ``report``, ``db`` and the export of a confirmed front read stored records:
+    they start in about a second, not the three that importing torch takes (the runtime, the
+    measurement and the workloads packages import what needs torch on first use)."""
     import json
     import subprocess
     import sys
 
-    url = write_finished_study(tmp_path / "study.db")
+    from erase_tune.store.storage import open_storage
+    from tests.tune.studies import confirm_front
+
+    url = write_finished_study(tmp_path / "study.db", gain_over="eager")
+    if command[0] == "export":  # a finished job whose front is confirmed: export writes without Ray
+        space = tmp_path / "space.yaml"
+        shutil.copy(ROOT / "search_spaces" / "ctr-smoke.yaml", space)
+        db = open_storage(url)
+        try:
+            confirm_front(db, STUDY_NAME, str(space), space.read_text())
+        finally:
+            db.close()
     argv = [a.replace("{out}", str(tmp_path / "out")) for a in command] + ["--storage", url]
     if command[0] != "db":
         argv += ["--study", STUDY_NAME]

@@ -12,10 +12,12 @@ import) is the cluster's and is retried before it is recorded.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from erase_tune.measure.confirm import ConfirmResult
 from erase_tune.measure.records import TrialResult
+
+if TYPE_CHECKING:  # a field's annotation only: reading a stored outcome needs no torch
+    from erase_tune.measure.confirm import ConfirmResult
 
 __all__ = ["FailureKind", "Failure", "WorkerInfo", "TrialOutcome", "ConfirmOutcome"]
 

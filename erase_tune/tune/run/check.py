@@ -46,7 +46,7 @@ from erase_tune.measure.estimate import (
     job_phases,
     measure_step,
 )
-from erase_tune.measure.noise import quality_trainings
+from erase_tune.measure.quality import quality_trainings
 from erase_tune.runtime import EraseEngine, ErasePlan
 from erase_tune.runtime.device import resolve_device
 from erase_tune.measure.trial import GRAPH_WARMUP, reference_capture_error

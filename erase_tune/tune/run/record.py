@@ -45,7 +45,7 @@ from erase_tune.store.storage import Storage
 from erase_tune.tune.execute.outcome import Failure, TrialOutcome
 from erase_tune.tune.search.space import SearchSpace
 from erase_tune.measure.confirm import baseline_plan
-from erase_tune.measure.noise import feasible
+from erase_tune.measure.quality import feasible
 from erase_tune.tune.search.study import CONSTRAINTS, Attr, constraint, measured, metric_attrs, objective_values
 
 __all__ = ["Recorder", "REPLAYED_FROM"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only: `trial` and `bench` print tables without loading the job's stack
-    from erase_tune.measure.noise import NoiseFloor
+    from erase_tune.measure.quality import NoiseFloor
     from erase_tune.measure.records import TrialResult
     from erase_tune.tune.run.job import JobSummary
     from erase_tune.tune.run.loop import Progress
