@@ -716,6 +716,9 @@ class _NoRay:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
 
+    def cap_slots(self, trials: int) -> None:
+        pass
+
     def wait_ready(self) -> None:
         pass
 
