@@ -22,7 +22,8 @@ from typing import Any
 import optuna
 
 from erase_tune.errors import EraseTuneError
-from erase_tune.measure.quality import QualityConfirmation, QualityResult, quality_trainings
+from erase_tune.measure import quality
+from erase_tune.measure.quality import QualityResult, quality_trainings
 from erase_tune.runtime import ErasePlan
 from erase_tune.store import Confirmation, ConfirmationRecord, QualityConfirmation, QualityRecord
 from erase_tune.store.storage import Storage
@@ -118,7 +119,7 @@ def confirm_quality_front(db: Storage, study: optuna.Study, space: SearchSpace, 
         log.info("quality confirmation: the %d front plan(s) are exact (their trials checked the gradients equal to "
                  "the baseline's): nothing to train", len(points))
         res = QualityResult(steps=budget.quality_scale * budget.training_steps, seeds=(), ne_baseline=(),
-                            plans={str(p.number): QualityConfirmation.of_exact(band) for p in points},
+                            plans={str(p.number): quality.QualityConfirmation.of_exact(band) for p in points},
                             provenance={"trained": False, "why": "every plan verified exact by its trial"})
     out = {}
     for p in points:
