@@ -3,8 +3,10 @@
 A fresh process per trial cost 3.4 s (interpreter, torch import, CUDA init) on top of a
 17.5 s trial. A :class:`WorkerGroup` keeps its processes warm instead and runs its slot's
 trials one after another; isolation after a failure is kept by replacing the whole group
-(new processes) after any failed, cancelled or lost trial, so a poisoned CUDA context or a
-leaked allocation never reaches the next trial.
+(new processes) after a cancelled or lost trial and after any failed trial on CUDA or of
+several ranks, so a poisoned CUDA context, a leaked allocation or a half-torn process group
+never reaches the next trial. A single-rank CPU worker whose trial failed in Python (a NaN loss,
+a refused plan) says it stays fit and runs the next one (``WorkerInfo.reusable``).
 
 A group reserves its resources as one placement group (``gpus_per_trial`` bundles of one
 GPU, packed onto one node), so a trial of k ranks gets k GPUs of one host or waits until

@@ -8,7 +8,8 @@ travels to the workers through Ray's ``runtime_env`` (``working_dir``/``py_modul
 
 Each slot is a :class:`~erase_tune.tune.execute.actors.WorkerGroup`; trials wait for GPUs to
 appear (an autoscaling cluster may start with none) for up to ``gpu_wait_s``, and a group
-is replaced after any failure. A hung trial is ended by killing its group's actors.
+is replaced after a failure unless its worker said it stays fit (``WorkerInfo.reusable``).
+A hung trial is ended by killing its group's actors.
 """
 
 from __future__ import annotations
@@ -309,7 +310,7 @@ class RayExecutor:
         for ref in ready:
             handle = self._running.pop(ref)
             outcome = self._outcome(handle)
-            if not outcome.complete:
+            if not outcome.worker.reusable:
                 self._replace(handle.group)
             self._finished.append((handle, outcome))
 
@@ -357,13 +358,17 @@ class RayExecutor:
             self._replace(group)
             return ConfirmOutcome(failure=Failure(kind="trial", reason=f"confirmation timed out after {limit:.0f}s"))
         try:
-            return self._ray.get(ref)
+            outcome = self._ray.get(ref)
         except self._ray.exceptions.RayTaskError as e:
+            self._replace(group)
             return ConfirmOutcome(failure=Failure(kind="trial", reason=f"{type(e.cause).__name__}: "
                                                                         f"{first_line(e.cause)}", traceback=str(e)))
         except Exception as e:  # noqa: BLE001 - a worker or node lost during the confirmation
             self._replace(group)
             return ConfirmOutcome(failure=Failure(kind="infra", reason=f"worker died: {first_line(e)}"))
+        if not outcome.worker.reusable:
+            self._replace(group)
+        return outcome
 
     def _free_slot(self, deadline: float) -> WorkerGroup | None:
         """A ready slot with no trial, waited for until ``deadline`` (then None). A trial that

@@ -53,6 +53,10 @@ class WorkerInfo:
     ready_at: float = 0.0
     """Imports and set-up done; the trial itself starts."""
     finished_at: float = 0.0
+    reusable: bool = False
+    """The process may run the slot's next trial: said by the worker itself, after a success or
+    after a failure that left nothing behind (on the CPU: :func:`erase_tune.tune.execute.task.fit_after`).
+    An outcome the driver made for a killed, crashed or lost worker leaves it False."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 from erase_tune.tune.execute.outcome import ConfirmOutcome, Failure, TrialOutcome, WorkerInfo
 
 __all__ = ["TrialSpec", "ConfirmSpec", "ReferenceSpec", "ReferenceOutcome", "run_spec", "run_confirm",
-           "run_reference", "classify"]
+           "run_reference", "classify", "fit_after"]
 
 T = TypeVar("T")
 
@@ -129,7 +129,7 @@ def run_spec(spec: TrialSpec, info: Callable[[], dict[str, Any]] = dict, process
                          ranking=Ranking(gain_over=spec.gain_over, stop_below=spec.stop_below))
 
     marks: dict[str, float] = {}
-    result, failure, worker = _run(work, marks, info)
+    result, failure, worker = _run(work, marks, info, fit=fit_after(spec.device, process_group))
     return TrialOutcome(trial_number=spec.trial_number, result=result, failure=failure, worker=worker)
 
 
@@ -153,7 +153,7 @@ def run_confirm(spec: ConfirmSpec, info: Callable[[], dict[str, Any]] = dict,
                              device=spec.device, process_group=process_group)
 
     marks: dict[str, float] = {}
-    result, failure, worker = _run(work, marks, info)
+    result, failure, worker = _run(work, marks, info, fit=fit_after(spec.device, process_group))
     return ConfirmOutcome(result=result, failure=failure, worker=worker)
 
 
@@ -197,18 +197,34 @@ def run_reference(spec: ReferenceSpec, info: Callable[[], dict[str, Any]] = dict
     return ReferenceOutcome(error=error, failure=failure, worker=worker, step=step)
 
 
-def _run(work: Callable[[], T], marks: dict[str, float],
-         info: Callable[[], dict[str, Any]]) -> tuple[T | None, Failure | None, WorkerInfo]:
+def _run(work: Callable[[], T], marks: dict[str, float], info: Callable[[], dict[str, Any]],
+         fit: bool = False) -> tuple[T | None, Failure | None, WorkerInfo]:
+    """``work``'s result or its failure, and where it ran; ``fit``: the process may run more work
+    after a failure of ``work`` (it may after a success)."""
     started = time.time()
-    result, failure = None, None
+    result, failure, reusable = None, None, True
     try:
         result = work()
     except Exception as e:  # noqa: BLE001 - every failure is data for the study
         failure = classify(e, traceback.format_exc(limit=12))
+        reusable = failure.kind == "trial" and fit
     finished = time.time()
     worker = WorkerInfo(**{"pid": os.getpid(), **info()}, started_at=started, ready_at=marks.get("ready", finished),
-                        finished_at=finished)
+                        finished_at=finished, reusable=reusable)
     return result, failure, worker
+
+
+def fit_after(device: str, process_group: Any = None) -> bool:
+    """Whether a worker whose trial failed may run the slot's next trial in the same process,
+    rather than be replaced (a fresh process: 2-5 s of imports and the first optimizer's).
+
+    On the CPU, yes: a failed trial (a plan the runtime refuses, a NaN loss, the workload's own
+    error) leaves nothing behind that the next trial's set-up does not build anew. Not on CUDA:
+    a failed capture can leave the process's CUDA RNG in capture state, and an out-of-memory
+    error or a sticky CUDA error poisons what follows, none of which a check here can rule out.
+    Not after a rank of a data-parallel trial failed either: its peers and their collectives
+    are in any state."""
+    return device == "cpu" and process_group is None
 
 
 def classify(e: BaseException, tb: str | None = None) -> Failure:
