@@ -9,6 +9,8 @@ and driver messages are scrubbed of every secret the URL carried.
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 import re
 from pathlib import Path
@@ -245,6 +247,20 @@ class SQLiteSettings(CreateEnginePlugin):
         @event.listens_for(engine, "begin")
         def _on_begin(conn: Any) -> None:
             conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get(WRITE_OPTION) else "BEGIN")
+
+        @event.listens_for(engine, "handle_error")
+        def _on_interrupt(ctx: Any) -> None:
+            # Ctrl-C or SIGTERM inside a statement (an exit exception): SQLAlchemy then closes the
+            # connection but not the statement's cursor, and pysqlite (Python 3.11+) keeps a
+            # database with an unfinished statement open, transaction and write lock included,
+            # until that cursor is collected. The traceback holding it lives on through the
+            # command's clean-up, whose writes (failing its trials) waited 30 s for the lock and
+            # failed: a trial stayed RUNNING after SIGTERM. Closing the cursor first lets the close
+            # end the transaction at once.
+            cursor = getattr(ctx.execution_context, "cursor", None)
+            if ctx.is_disconnect and cursor is not None and not isinstance(ctx.original_exception, Exception):
+                with contextlib.suppress(Exception):
+                    cursor.close()
 
 
 _SQLITE_PLUGIN = "erase_tune_sqlite"
