@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import ray
 
+from erase_tune.errors import EraseTuneError
 from erase_tune.tune.execute.executor import RayExecutor, covered_s
 from erase_tune.tune.execute.task import TrialSpec, fit_after, run_spec
 from erase_tune.tune.run.check import check_space_file
@@ -46,6 +48,8 @@ def test_no_more_slots_than_trials_and_none_started_before_asked(ray_cluster):
 def test_check_estimates_with_no_more_slots_than_trials(tmp_path):
     space = write_space(tmp_path / "tiny.yaml", trials=3)
     assert check_space_file(space, trials=1, slots=2).slots == 1  # (tests/tune/test_check_space.py: 3 and 1)
+    with pytest.raises(EraseTuneError, match=r"--slots: 2048 must be in 1\.\.1024"):  # start's bound, not 4096
+        check_space_file(space, slots=2048)
 
 
 def test_a_worker_says_whether_it_stays_fit_after_a_failure(tmp_path):

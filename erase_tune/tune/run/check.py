@@ -50,6 +50,7 @@ from erase_tune.measure.quality import quality_trainings
 from erase_tune.runtime import EraseEngine, ErasePlan
 from erase_tune.runtime.device import resolve_device
 from erase_tune.measure.trial import GRAPH_WARMUP, reference_capture_error
+from erase_tune.tune.execute.executor import MAX_SLOTS
 from erase_tune.tune.run.confirm import MAX_CONFIRMED
 from erase_tune.tune.search.checks import check_space
 from erase_tune.tune.search.codec import BoundSpace
@@ -183,8 +184,8 @@ def check_space_file(path: str | Path, *, trials: int | None = None, slots: int 
     if space.gain_over == "graph" and device.type != "cuda":
         note = (f"{note}; " if note else "") + ("gain_over: graph needs GPU trial slots: start refuses it on a "
                                                 "cluster without GPUs")
-    if slots is not None and not 1 <= slots <= 4096:
-        raise EraseTuneError(f"--slots: {slots} must be in 1..4096")
+    if slots is not None and not 1 <= slots <= MAX_SLOTS:
+        raise EraseTuneError(f"--slots: {slots} must be in 1..{MAX_SLOTS}")  # what start allows
     target = trials if trials is not None else space.trials
     # As start: no more slots than trials.
     slots = min(slots if slots is not None else _default_slots(device, space.gpus_per_trial), target)
