@@ -15,6 +15,11 @@
 #  3. browser (`make test` only): Debian's chromium and fonts-liberation for the real-browser
 #     dashboard test (scripts/install-browser.sh; apt-get, needs root or sudo).
 #  Extra installers for optional test dependencies go in EXTRA_INSTALLERS below.
+#  Every run also byte-compiles the checkout's own sources (erase_tune, tests, examples): an
+#  editable install is not compiled, and where PYTHONDONTWRITEBYTECODE is set (as on many CI
+#  images) every process compiled erase-tune from source at each start, about 0.4 CPU-s each,
+#  for the hundreds of trial workers and commands a test run starts. Python reads the compiled
+#  files even with that setting; only changed files are compiled again.
 #
 # Usage: scripts/setup.sh [python|test]   (python: step 1 only, what `make demo` needs;
 # test, the default: all steps). SKIP_SYSTEM_SETUP=1 skips steps 2-3 (a machine where the
@@ -59,6 +64,10 @@ setup_python() {
     echo "$want" > "$stamp"
     python -c "import torch, erase_tune; print(f'setup: python: erase-tune {erase_tune.__version__} ready: torch {torch.__version__}, cuda available: {torch.cuda.is_available()}')"
   )
+}
+
+setup_bytecode() {
+  .venv/bin/python -m compileall -q -j 0 erase_tune tests examples >/dev/null
 }
 
 pg_up() { pg_isready -h 127.0.0.1 -p 5432 -q 2>/dev/null; }
@@ -112,6 +121,7 @@ main() {
   local what=${1:-test}
   case "$what" in python|test) ;; *) echo "setup: unknown step set '$what' (python or test)" >&2; exit 2 ;; esac
   setup_python
+  setup_bytecode
   if [ "$what" = test ]; then
     local installer
     for installer in "${TEST_INSTALLERS[@]}"; do
