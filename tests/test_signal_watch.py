@@ -20,10 +20,24 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 FACTORIES = '''
-import hashlib, pathlib, time
+import hashlib, pathlib, sys, threading, time
 
 def _started():
     pathlib.Path("started").write_text("yes")
+
+def _started_once_in_c(line):
+    """Say "started" once the main thread has sat on the line of its long C call for a while (it
+    releases the GIL there): said before the call, a signal could still land in Python code on
+    the way to it, and the factory would have been stopped by the first signal after all."""
+    main = threading.main_thread().ident
+    def watch():
+        on_line = 0
+        while on_line < 5:
+            time.sleep(0.05)
+            frame = sys._current_frames().get(main)
+            on_line = on_line + 1 if frame is not None and frame.f_lineno == line else 0
+        _started()
+    threading.Thread(target=watch, daemon=True).start()
 
 def swallows():
     _started()
@@ -34,7 +48,7 @@ def swallows():
             pass
 
 def stuck_in_c():
-    _started()
+    _started_once_in_c(sys._getframe().f_lineno + 1)
     hashlib.pbkdf2_hmac("sha256", b"x", b"y", 10**9)  # minutes in one call into C
 '''
 
