@@ -89,3 +89,21 @@ def test_a_cpu_slot_keeps_its_worker_after_a_trial_failure_and_replaces_a_dead_o
         assert executor.worker_start_s > 0
     finally:
         executor.close()
+
+
+def test_a_trial_cancelled_after_it_finished_keeps_its_result_and_its_slot_is_replaced(ray_cluster):
+    """The job may cancel a trial (its time-out) just as it finishes: the result stands, and the
+    slot, whose workers the cancel killed, is a fresh one for the next trial."""
+    executor = RayExecutor(workload=FAULTY, slots=1, device="cpu")
+    try:
+        executor.wait_ready()
+        first = executor._groups[0]
+        handle = executor.submit(TrialSpec(trial_number=0, workload=FAULTY, workload_args={"mode": "ok", **TINY_CTR},
+                                           plan={}, budget=BUDGET))
+        assert ray.wait([handle.ref], timeout=120)[0]  # finished, not yet collected
+        executor.cancel(handle, "timed out after 1s")
+        ((_, outcome),) = executor.wait(timeout=30)
+        assert outcome.complete, outcome.failure
+        assert executor._groups[0] is not first
+    finally:
+        executor.close()

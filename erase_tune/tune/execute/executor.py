@@ -310,7 +310,7 @@ class RayExecutor:
         for ref in ready:
             handle = self._running.pop(ref)
             outcome = self._outcome(handle)
-            if not outcome.worker.reusable:
+            if handle.cancel_reason or not outcome.worker.reusable:  # cancelled: its workers were killed
                 self._replace(handle.group)
             self._finished.append((handle, outcome))
 
