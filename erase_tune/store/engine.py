@@ -10,7 +10,6 @@ and driver messages are scrubbed of every secret the URL carried.
 from __future__ import annotations
 
 import contextlib
-
 import os
 import re
 from pathlib import Path
