@@ -45,6 +45,10 @@ def titles():
             pass
     return out
 print("idle workers:", sum("ray::IDLE" in t for t in titles()), "probe:", sum("ray::Probe" in t for t in titles()))
+import base64, json  # the settings Ray's GCS was started with (its raylet takes them from there)
+gcs = next(t for t in titles() if "gcs_server" in t.split(" ")[0])
+told = json.loads(base64.b64decode(next(a for a in gcs.split(" ") if a.startswith("--config_list=")).split("=", 1)[1]))
+print("metrics:", told.get("enable_metrics_collection"))
 ray.shutdown()
 """
 
@@ -52,11 +56,12 @@ ray.shutdown()
 def test_a_timed_out_ray_start_is_retried_once_and_its_leftovers_killed():
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, cwd=ROOT, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
-    started, workers = done.stdout.strip().splitlines()[-2:]
+    started, workers, metrics = done.stdout.strip().splitlines()[-3:]
     assert started == "['local', 'local'] True -9 True"
     # No idle worker was started ahead of need (Ray's default starts one per CPU; trial actors
     # have their own runtime environment and could use none of them).
     assert workers == "idle workers: 0 probe: 1", workers
+    assert metrics == "metrics: False", metrics  # no dashboard shows them: not collected
     assert "Ray's start-up timed out" in done.stderr and "starting a local Ray once more" in done.stderr
 
 
