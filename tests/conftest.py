@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,11 +47,22 @@ loadfile --no-loadscope-reorder``) whole files go to the workers in collection o
 first so that no long file starts last and leaves the others idle. A stale entry costs time,
 never a result. One process keeps the files' own order."""
 
+RAY_FILES = pytest.StashKey[frozenset[str]]()
+"""The test files of which some test uses the shared Ray cluster (``ray_cluster``)."""
+
+
+def _file(item: pytest.Item) -> str:
+    return item.nodeid.split("::")[0]
+
 
 def pytest_collection_modifyitems(config, items):
+    config.stash[RAY_FILES] = frozenset(_file(item) for item in items if "ray_cluster" in item.fixturenames)
     if os.environ.get("PYTEST_XDIST_WORKER"):
+        # The files on the shared Ray first, so that each test process is done with its Ray early
+        # and stops it (pytest_runtest_setup); then the others. Longest first within each.
         rank = {path: i for i, path in enumerate(SLOWEST_FIRST)}
-        items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable
+        ray_files = config.stash[RAY_FILES]
+        items.sort(key=lambda item: (_file(item) not in ray_files, rank.get(_file(item), len(rank))))  # stable
     if os.environ.get("ERASE_TUNE_LOAD_TESTS") != "1":
         load = pytest.mark.skip(reason="a load test of minutes: run with ERASE_TUNE_LOAD_TESTS=1")
         for item in items:
@@ -61,6 +74,37 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """The shared Ray cluster (``ray_cluster``) is started before a test that uses it, and under
+    pytest-xdist stopped at the first test of a file that does not: an idle local Ray takes about
+    1.7 CPU-s a minute (its raylet, GCS, agents and monitors poll), which four test processes paid
+    for the whole run while their files on Ray came and went. The files on Ray run first
+    (pytest_collection_modifyitems), so each process stops it once."""
+    ray = sys.modules.get("ray")
+    if "ray_cluster" in item.fixturenames:
+        start_shared_ray()
+    elif (os.environ.get("PYTEST_XDIST_WORKER") and ray is not None and ray.is_initialized()
+          and _file(item) not in item.config.stash[RAY_FILES]):
+        ray.shutdown()
+
+
+def start_shared_ray() -> None:
+    """Start this test process's shared local Ray, unless Ray is up. Its worker processes must
+    import erase_tune and the test workloads: the repository goes on their path."""
+    import ray
+
+    from erase_tune.tune.execute.executor import LOCAL_RAY_CONFIG
+
+    if ray.is_initialized():
+        return
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="error",
+             object_store_memory=256 * 1024**2, _system_config=LOCAL_RAY_CONFIG)
 
 
 def pytest_collection_finish(session):

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import start_shared_ray
+
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = ROOT / "search_spaces" / "ctr-smoke.yaml"
 
@@ -29,26 +31,17 @@ def _service_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[None]:
-    """A local Ray: a raylet, a GCS and worker processes, shared by the service tests.
+    """A local Ray: a raylet, a GCS and worker processes, shared by the service tests of one test
+    process (tests/conftest.py starts it before each test that uses it, and under pytest-xdist
+    stops it once the process moves on to files that do not).
 
     The executor joins it (it does not start or stop its own when Ray is initialised).
-    Worker processes must import erase_tune and the test workloads: put the repo on their path.
     """
     import ray
 
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    _start_shared_ray()
+    start_shared_ray()
     yield
     ray.shutdown()
-
-
-def _start_shared_ray() -> None:
-    import ray
-
-    from erase_tune.tune.execute.executor import LOCAL_RAY_CONFIG
-
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="error",
-             object_store_memory=256 * 1024**2, _system_config=LOCAL_RAY_CONFIG)
 
 
 def _cpus_held(ray: object, wait_s: float) -> float:
@@ -83,7 +76,7 @@ def _ray_cluster_given_back() -> Iterator[None]:
         # Held by no placement group (seen under load: a group removed while Ray was still reserving
         # it): nothing here can give it back, so the next tests get a new cluster instead of failing too.
         ray.shutdown()
-        _start_shared_ray()
+        start_shared_ray()
         cleared = "the shared cluster was started anew"
     what = (f"the test left {held:g} of {total:g} CPU(s) held on the shared Ray cluster "
             f"({len(groups)} placement group(s) not removed; {cleared})")
