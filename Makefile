@@ -20,9 +20,10 @@ demo: setup-python
 	  .venv/bin/erase-tune export --study demo -o best.yaml --repeats 3 --force; }
 	.venv/bin/python examples/train_ctr.py --plan best.yaml --steps 200
 
-# Four pytest-xdist workers, whole files each (a module's shared job is made once), the
-# longest files first (tests/conftest.py SLOWEST_FIRST): most tests wait on Ray, PostgreSQL,
-# a browser or a child process, so four share two cores well. Every test job times a fixed
-# number of windows, so a loaded machine makes a test slower, never longer.
+# Three pytest-xdist workers, whole files each (a module's shared job is made once), the files
+# on the shared Ray and the longest first (tests/conftest.py): many tests wait on Ray,
+# PostgreSQL, a browser or a child process, so three share two cores best (pytest on two idle
+# cores, one checkout: 561 s with two workers, 513 s with three, 544 s with four). Every test
+# job times a fixed number of windows, so a loaded machine makes a test slower, never longer.
 test: setup
-	.venv/bin/python -m pytest -q -n 4 --dist loadfile --no-loadscope-reorder --durations=30
+	.venv/bin/python -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder --durations=30

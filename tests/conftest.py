@@ -27,7 +27,7 @@ from sqlalchemy.pool import NullPool
 from erase_tune.store import redact_url
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    # Four test processes (and their children) share two cores: each computes on one thread.
+    # Three test processes (and their children) share two cores: each computes on one thread.
     # torch's default of one thread per core made every process's intra-op threads contend
     # with the others' (a 9 s CPU training fixture took 282 s beside two CPU burners).
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -42,7 +42,7 @@ SLOWEST_FIRST = (
     "tests/test_hostile_30.py", "tests/tune/test_noise_service.py", "tests/torchrec/test_workloads_doc.py",
     "tests/tune/test_record_race.py", "tests/tune/test_workloads_doc.py",
 )
-"""Test files of a minute or more on two cores, longest first. Under pytest-xdist (``-n 4 --dist
+"""Test files of a minute or more on two cores, longest first. Under pytest-xdist (``-n 3 --dist
 loadfile --no-loadscope-reorder``) whole files go to the workers in collection order: these go
 first so that no long file starts last and leaves the others idle. A stale entry costs time,
 never a result. One process keeps the files' own order."""
@@ -80,7 +80,7 @@ def pytest_collection_modifyitems(config, items):
 def pytest_runtest_setup(item):
     """The shared Ray cluster (``ray_cluster``) is started before a test that uses it, and under
     pytest-xdist stopped at the first test of a file that does not: an idle local Ray takes about
-    1.7 CPU-s a minute (its raylet, GCS, agents and monitors poll), which four test processes paid
+    1.7 CPU-s a minute (its raylet, GCS, agents and monitors poll), which every test process paid
     for the whole run while their files on Ray came and went. The files on Ray run first
     (pytest_collection_modifyitems), so each process stops it once."""
     ray = sys.modules.get("ray")
