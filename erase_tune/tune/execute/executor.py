@@ -96,8 +96,8 @@ for tasks of the default runtime environment, and this Ray runs only trial actor
 runtime environment is their own (actors.WORKER_ENV), so none of them could use one. Each costs
 about 0.6 CPU-s to start and 0.35 CPU-s a minute idle (measured on two cores: a whole idle local
 Ray, 2.6 CPU-s a minute with them, 1.7 without). Nor does it collect metrics: it has no dashboard
-to show them, and collecting them is a fifth of what it costs idle (2.07 CPU-s a minute with,
-1.65 without), taken from the host the trials are timed on."""
+to show them, and collecting them is a fifth of what it costs idle (another day, the same two
+cores: 2.07 CPU-s a minute with, 1.65 without), taken from the host the trials are timed on."""
 
 
 def _start_ray(ray: Any, address: str | None, env: dict[str, Any]) -> None:
