@@ -15,18 +15,26 @@ import os
 
 from erase_tune.errors import EraseTuneError, one_line
 
-__all__ = ["STORAGE_ENV", "RETRY_ENV", "JOURNAL_ENV", "UPLOAD_ENV", "RAY_ENV", "MAX_RETRY_S", "env_text",
-           "env_seconds", "env_mebibytes", "check_environment"]
+__all__ = ["STORAGE_ENV", "RETRY_ENV", "JOURNAL_ENV", "UPLOAD_ENV", "RAY_ENV", "STOP_ENV", "MAX_RETRY_S",
+           "STOP_LIMIT_S", "env_text", "env_seconds", "env_mebibytes", "env_stop_limit_s", "check_environment"]
 
 STORAGE_ENV = "ERASE_TUNE_STORAGE"
 RETRY_ENV = "ERASE_TUNE_STORAGE_RETRY_S"
 JOURNAL_ENV = "ERASE_TUNE_JOURNAL_DIR"
 UPLOAD_ENV = "ERASE_TUNE_MAX_UPLOAD_MB"
 RAY_ENV = "RAY_ADDRESS"
+STOP_ENV = "ERASE_TUNE_STOP_LIMIT_S"
 MAX_RETRY_S = 7 * 86400.0
 """Longest storage retry window accepted (a week: longer is a typo, not a plan)."""
 MAX_UPLOAD_MB = 1 << 20
 """Largest upload limit accepted (1 TiB in MiB)."""
+STOP_LIMIT_S = 25.0
+"""How long after the first signal a command may take to stop before its process is ended
+(``$ERASE_TUNE_STOP_LIMIT_S``, erase_tune._signals): its clean-up (trials cancelled, the job marked
+interrupted, Ray released: at most 15 s of it) is cut short, as by ``kill -9``, which a resumed
+job recovers from. Under the 30 s Kubernetes and systemd give before their SIGKILL, so the command
+still says why it ended."""
+MAX_STOP_S = 86400.0
 
 
 def _shown(value: str) -> str:
@@ -71,12 +79,18 @@ def env_mebibytes(name: str, default: float) -> float:
     return default if number is None else number
 
 
+def env_stop_limit_s() -> float:
+    """``$ERASE_TUNE_STOP_LIMIT_S`` (0 to a day), else :data:`STOP_LIMIT_S`."""
+    return env_seconds(STOP_ENV, STOP_LIMIT_S, high=MAX_STOP_S)
+
+
 def check_environment() -> None:
     """Parse every variable erase-tune reads; the first that does not parse raises, naming it."""
     env_text(STORAGE_ENV)  # its URL is parsed where --storage is: the same message for both
     env_seconds(RETRY_ENV, 60.0)
     env_mebibytes(UPLOAD_ENV, 1.0)
     env_text(RAY_ENV)
+    env_stop_limit_s()
     journal = env_text(JOURNAL_ENV)
     if journal is not None and os.path.exists(journal) and not os.path.isdir(journal):
         raise EraseTuneError(f"${JOURNAL_ENV}: {_shown(journal)} exists and is not a directory")

@@ -9,22 +9,31 @@ exception and carries on (``except BaseException: pass``), and a long computatio
 thread hears every signal through :func:`signal.set_wakeup_fd`, which the interpreter writes
 from the C-level handler at once: if the command has not ended 2 s after the first signal, it
 says what it waits for; a second signal ends the process at once, without the unwinding.
+
+A stopped command also ends by itself: ``$ERASE_TUNE_STOP_LIMIT_S`` (25 s) after the first
+signal (a main thread stuck in a call that never returns: Ray waiting on a GCS the same signal
+stopped, when a whole process group was signalled), the watcher ends the process, naming where
+the main thread stood. And once the command has stopped, its process ends at once
+(:func:`exit_now`), past other libraries' exit hooks: Ray's ``shutdown`` waits a minute for that
+GCS and then exits 1.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from erase_tune._env import STOP_ENV, env_stop_limit_s
 from erase_tune.errors import Terminated
 
-__all__ = ["on_signals", "received", "signals_deferred", "stopped", "sigterm_kept", "terminate", "stuck_thread",
-           "exit_past_stuck_threads"]
+__all__ = ["on_signals", "received", "first_signal", "signals_deferred", "stopped", "sigterm_kept", "terminate",
+           "stuck_thread", "exit_now"]
 
 SAY_AFTER_S = 2.0
 """How long after the first signal the command says, if it is still running, what it waits for."""
@@ -32,6 +41,21 @@ SAY_AFTER_S = 2.0
 received: list[int] = []
 """Signals received while a command ran. Some servers (the dashboard's) catch KeyboardInterrupt
 themselves and return normally: the command's exit must still say it was stopped."""
+
+_heard: list[int] = []
+"""Signals the watcher heard, whichever handler ran for them (or none could yet)."""
+
+_watching: list[_Watcher] = []
+"""The running command's watcher, while it runs."""
+
+
+def first_signal() -> int | None:
+    """The first signal that came while the command ran, if one did: what our handler received,
+    else what the watcher heard (a library's handler in place of ours: Ray's ``sys.exit``)."""
+    if not received and not _heard:
+        for watcher in _watching:
+            watcher.hear()
+    return received[0] if received else _heard[0] if _heard else None
 
 _HANDLED = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
@@ -149,31 +173,51 @@ def _say(line: str) -> None:
 class _Watcher:
     """Reads the signal numbers the interpreter writes to the wakeup pipe, on its own thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, stop_limit_s: float) -> None:
+        self._stop_limit_s = stop_limit_s
         self._read, self._write = os.pipe()
         os.set_blocking(self._write, False)  # set_wakeup_fd requires it
+        os.set_blocking(self._read, False)  # read by this thread and, for a moment, the main one (hear)
+        self._lock = threading.Lock()
         self._old_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
         self._first: threading.Timer | None = None
+        self._limit: threading.Timer | None = None
         self._thread = threading.Thread(target=self._run, name="erase-tune-signals", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while True:
             try:
+                select.select([self._read], [], [])
+            except (OSError, ValueError):
+                return
+            if not self.hear():  # the write end was closed: the command is over
+                return
+
+    def hear(self) -> bool:
+        """Read what signals the interpreter has written to the pipe and act on them; False at its
+        end. The main thread calls it too, to learn of a signal whose byte the watcher thread has
+        not read yet (a library's handler raised at once, in place of ours)."""
+        with self._lock:
+            try:
                 data = os.read(self._read, 64)
+            except BlockingIOError:
+                return True
             except OSError:
-                return
-            if not data:  # the write end was closed: the command is over
-                return
+                return False
             for signum in data:
                 if signum not in _HANDLED or _was_resent():
                     continue
                 if self._first is None:  # the first signal: its handler raises where the command stands
+                    _heard.append(signum)
                     self._first = threading.Timer(SAY_AFTER_S, self._still_running, args=(signum,))
-                    self._first.daemon = True
-                    self._first.start()
+                    self._limit = threading.Timer(self._stop_limit_s, self._out_of_time, args=(signum,))
+                    for timer in (self._first, self._limit):
+                        timer.daemon = True
+                        timer.start()
                 else:
                     self._exit_now(signum)
+            return bool(data)
 
     @staticmethod
     def _still_running(signum: int) -> None:
@@ -186,15 +230,31 @@ class _Watcher:
         _say(_stopped_line(signum) + " (at once: a second signal)")
         os._exit(128 + signum)
 
+    def _out_of_time(self, signum: int) -> None:
+        _say(f"{_stopped_line(signum)} (at once: still stopping {self._stop_limit_s:g}s after the signal, "
+             f"{_main_thread_at()}; its clean-up was cut short, see ${STOP_ENV})")
+        os._exit(128 + signum)
+
     def close(self) -> None:
-        if self._first is not None:
-            self._first.cancel()
+        self.hear()
+        for timer in (self._first, self._limit):
+            if timer is not None:
+                timer.cancel()
         with contextlib.suppress(ValueError, OSError):
             signal.set_wakeup_fd(self._old_fd)
         os.close(self._write)  # the thread reads EOF and ends
         self._thread.join(timeout=1)
         with contextlib.suppress(OSError):
             os.close(self._read)
+
+
+def _main_thread_at() -> str:
+    """Where the main thread stands, as ``in module.function``: the innermost Python frame (a
+    call into C shows as its caller)."""
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    if frame is None:
+        return "in no Python code"
+    return f"in {frame.f_globals.get('__name__', '?')}.{frame.f_code.co_name}"
 
 
 def on_signals() -> Callable[[], None]:
@@ -207,7 +267,9 @@ def on_signals() -> Callable[[], None]:
     to the caller, whose ``try`` ends the command as any other signal would."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
+    stop_limit_s = env_stop_limit_s()
     received.clear()
+    _heard.clear()
     old: dict[int, Any] = {}
     watcher: list[_Watcher] = []
 
@@ -217,7 +279,9 @@ def on_signals() -> Callable[[], None]:
         while hook:
             sys.unraisablehook = hook.pop()
         while watcher:
-            watcher.pop().close()
+            done = watcher.pop()
+            done.close()
+            _watching.remove(done)
         while old:
             sig, handler = old.popitem()
             signal.signal(sig, handler)
@@ -228,7 +292,8 @@ def on_signals() -> Callable[[], None]:
             if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler)]
     try:
         if ours:
-            watcher.append(_Watcher())
+            watcher.append(_Watcher(stop_limit_s))
+            _watching.append(watcher[-1])
             hook.append(sys.unraisablehook)
             sys.unraisablehook = _unraisable(hook[0])
         for sig, handler in ours:
@@ -267,9 +332,13 @@ def stuck_thread(what: str) -> None:
     _stuck.append(what)
 
 
-def exit_past_stuck_threads(code: int) -> None:
-    """End the process now with ``code`` if a thread was given up (:func:`stuck_thread`); else return."""
-    if not _stuck:
+def exit_now(code: int) -> None:
+    """End the process now with ``code`` if a thread was given up (:func:`stuck_thread`) or a signal
+    stopped the command; else return. A stopped command has done its own clean-up, and the
+    interpreter's exit would run other libraries' hooks, which wait on what the same signal may
+    have stopped (Ray's ``shutdown``: a minute for its GCS, then exit 1). A private local Ray's
+    processes are reaped by their own watchdog (erase_tune.tune.execute.reaper)."""
+    if not _stuck and first_signal() is None:
         return
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):

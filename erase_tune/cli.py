@@ -33,7 +33,7 @@ from typing import Any
 
 from erase_tune import __version__
 from erase_tune._env import check_environment
-from erase_tune._signals import exit_past_stuck_threads, on_signals, received, sigterm_kept, stopped
+from erase_tune._signals import exit_now, first_signal, on_signals, received, sigterm_kept, stopped
 from erase_tune.cli_args import (
     Parser,
     bench_args,
@@ -372,7 +372,7 @@ def _output_failed(e: OSError) -> str | None:
 def main(argv: Sequence[str] | None = None) -> int:
     code = _main(argv)
     if argv is None:  # the process's own command (not a caller in-process): nothing may hold its exit
-        exit_past_stuck_threads(code)
+        exit_now(code)
     return code
 
 
@@ -400,7 +400,7 @@ def _main(argv: Sequence[str] | None) -> int:
     except OSError as e:
         message = _output_failed(e)
         if message is None:
-            raise
+            return _failed_while_stopping(e)
         if not message:
             return 128 + signal.SIGPIPE
         print(f"erase-tune: error: {message}", file=sys.stderr)
@@ -412,16 +412,33 @@ def _main(argv: Sequence[str] | None) -> int:
               "not installed: pip install 'erase-tune[tune]'", file=sys.stderr)
         return 2
     except EraseTuneError as e:
-        if received:  # what failed was stopped by the signal: say that, once
-            return stopped(received[0])
+        if (signum := first_signal()) is not None:  # what failed was stopped by the signal: say that, once
+            return stopped(signum)
         print(f"erase-tune: error: {one_line(e, squeeze=True)}", file=sys.stderr)
         return int(getattr(e, "exit_code", 2))
     except Terminated as e:
         return stopped(e.signum)
     except KeyboardInterrupt:  # a library may have turned our Terminated into a plain one
         return stopped(received[0] if received else signal.SIGINT)
+    except SystemExit:
+        if (signum := first_signal()) is None:
+            raise
+        return stopped(signum)  # a library's handler in place of ours (Ray's for SIGTERM: sys.exit)
+    except Exception as e:  # noqa: BLE001 - raised again unless a signal stopped the command
+        return _failed_while_stopping(e)
     finally:
         restore()
+
+
+def _failed_while_stopping(e: Exception) -> int:
+    """A signal's exit code and line when the command's clean-up after it failed (Ray stopped by
+    the same signal): the failure is said in a line of its own, not as what ended the command.
+    Raises ``e`` again when no signal came."""
+    signum = first_signal()
+    if signum is None:
+        raise e
+    print(f"erase-tune: while stopping: {one_line(e, 300)}", file=sys.stderr)
+    return stopped(signum)
 
 
 if __name__ == "__main__":

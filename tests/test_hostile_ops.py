@@ -423,7 +423,8 @@ def _yaml_case(kind: str, data: Any) -> str:
 
 # -- environment variables -----------------------------------------------------------------------------
 
-NUMERIC_VARS = {"ERASE_TUNE_STORAGE_RETRY_S": "seconds", "ERASE_TUNE_MAX_UPLOAD_MB": "MiB"}
+NUMERIC_VARS = {"ERASE_TUNE_STORAGE_RETRY_S": "seconds", "ERASE_TUNE_STOP_LIMIT_S": "seconds",
+                "ERASE_TUNE_MAX_UPLOAD_MB": "MiB"}
 TEXT_VARS = ("ERASE_TUNE_STORAGE", "RAY_ADDRESS", "ERASE_TUNE_JOURNAL_DIR")
 
 
@@ -432,7 +433,7 @@ def env_settings(draw: Any) -> tuple[str, str, bool]:
     """(variable, value, must be refused)."""
     if draw(st.booleans()):
         name = draw(st.sampled_from(sorted(NUMERIC_VARS)))
-        good = st.sampled_from(["0", "1", "2.5", "60", "1_000", "1e3"]) if name.endswith("RETRY_S") else \
+        good = st.sampled_from(["0", "1", "2.5", "60", "1_000", "1e3"]) if name.endswith("_S") else \
             st.sampled_from(["1", "0.5", "256", "1e3"])
         bad = st.one_of(st.sampled_from(["abc", "-1", "inf", "nan", "-inf", "1e999", " 5", "5 ", "1,5", "0x10",
                                          "5s", "\t5", "five", "1e309", "--1"] + (["0"] if "UPLOAD" in name else [])),

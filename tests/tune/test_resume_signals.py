@@ -159,9 +159,10 @@ def test_sigterm_to_the_whole_process_group_ends_the_job_within_seconds(tmp_path
             driver.wait()
     reader.join(timeout=10)
     err = "".join(lines)
-    assert driver.returncode == 143, err[-2000:]
+    shown = err if len(err) < 6000 else f"{err[:3000]}\n[...]\n{err[-3000:]}"  # Ray's last words can be long
+    assert driver.returncode == 143, shown
     assert took < 40, f"{took:.0f}s from SIGTERM to the exit"
-    assert err.strip().splitlines()[-1] == "erase-tune: terminated by SIGTERM" and "Traceback" not in err, err[-2000:]
+    assert err.strip().splitlines()[-1] == "erase-tune: terminated by SIGTERM" and "Traceback" not in err, shown
     assert not [t for t in _trials(url, "group") if t.state == TrialState.RUNNING]
     with Store(url) as store:
         assert store.get_job("group").status == "interrupted"
