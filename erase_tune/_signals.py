@@ -186,10 +186,12 @@ class _Watcher:
         self._thread.start()
 
     def _run(self) -> None:
+        ready = select.poll()  # not select(): a descriptor past 1023 (a process with many files open)
+        ready.register(self._read, select.POLLIN)
         while True:
             try:
-                select.select([self._read], [], [])
-            except (OSError, ValueError):
+                ready.poll()
+            except OSError:
                 return
             if not self.hear():  # the write end was closed: the command is over
                 return
