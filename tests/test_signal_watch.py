@@ -19,7 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-FACTORIES = '''
+STARTED = '''
 import hashlib, pathlib, sys, threading, time
 
 def _started():
@@ -28,7 +28,7 @@ def _started():
 def _started_once_in_c(line):
     """Say "started" once the main thread has sat on the line of its long C call for a while (it
     releases the GIL there): said before the call, a signal could still land in Python code on
-    the way to it, and the factory would have been stopped by the first signal after all."""
+    the way to it, and the command would have been stopped by the first signal after all."""
     main = threading.main_thread().ident
     def watch():
         on_line = 0
@@ -38,6 +38,10 @@ def _started_once_in_c(line):
             on_line = on_line + 1 if frame is not None and frame.f_lineno == line else 0
         _started()
     threading.Thread(target=watch, daemon=True).start()
+'''
+"""What a script run by these tests says "started" with, for the test to send its signal then."""
+
+FACTORIES = STARTED + '''
 
 def swallows():
     _started()
@@ -216,40 +220,29 @@ sys.exit(main(["db", "current", "--storage", "sqlite:///nowhere.db"]))
     assert time.monotonic() - started < 10
 
 
-STOPPING = '''
-import atexit, hashlib, os, pathlib, signal, sys, threading, time
+STOPPING = STARTED + '''
+import atexit, signal
 import erase_tune.cli as cli
-
-def started():
-    pathlib.Path("started").write_text("yes")
 
 def exit_hook(ns):
     atexit.register(time.sleep, 600)  # as Ray's shutdown waits on a GCS the same signal stopped
-    started()
+    _started()
     time.sleep(600)
 
 def foreign_handler(ns):
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))  # as ray.init installs
-    started()
+    _started()
     time.sleep(600)
 
 def cleanup_fails(ns):
     try:
-        started()
+        _started()
         time.sleep(600)
     finally:
         raise ConnectionError("the raylet is gone")  # Ray stopped by the same signal
 
 def stuck_in_c(ns):
-    main, line = threading.main_thread().ident, sys._getframe().f_lineno + 9
-    def watch():  # "started" once the main thread sits in its C call (a signal before it would stop it)
-        on_line = 0
-        while on_line < 5:
-            time.sleep(0.05)
-            frame = sys._current_frames().get(main)
-            on_line = on_line + 1 if frame is not None and frame.f_lineno == line else 0
-        started()
-    threading.Thread(target=watch, daemon=True).start()
+    _started_once_in_c(sys._getframe().f_lineno + 1)
     hashlib.pbkdf2_hmac("sha256", b"x", b"y", 10**9)  # minutes in one call into C, as Ray waiting on its GCS
 
 command = globals()[sys.argv[1]]
